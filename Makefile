@@ -1,0 +1,37 @@
+# Two commands matter: `make demo` (the main job) and `make test` (the suite CI runs).
+# Each creates the virtualenv it needs on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test lint demo render crds bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+demo: $(STAMP)
+	$(PY) -m demo
+
+render: $(STAMP)
+	$(PY) -m hooks render examples/runtimes examples/models
+
+crds: $(STAMP)
+	$(PY) -m hooks crds --out crds
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache
