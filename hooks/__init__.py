@@ -1,0 +1,1 @@
+"""Noctaya's control plane: pure Metacontroller hook functions behind a thin Flask shell."""

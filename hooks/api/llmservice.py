@@ -1,0 +1,371 @@
+"""LLMService: the model's intent — what to serve, on which runtime, how to scale and expose it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from hooks.api.common import (
+    API_VERSION,
+    ApiModel,
+    CRDInfo,
+    DNSLabel,
+    Duration,
+    EnvVar,
+    LabelSelector,
+    ObjectMeta,
+    PrinterColumn,
+    Quantity,
+    ResourceRequirements,
+    Rule,
+    SecretKeyRef,
+    duration_seconds,
+)
+from hooks.api.status import LLMServiceStatus
+
+# hf://org/name, modelscope://org/name, oci://registry/repo@sha256:<64 hex>, pvc://claim[/sub/path]
+_HUB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
+MODEL_SOURCE_RE = (
+    rf"^((hf|modelscope)://{_HUB_ID}"
+    r"|oci://[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+@sha256:[a-f0-9]{64}"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)*)$"
+)
+# `..` or `.` as a path segment: rejected so a pvc:// subPath cannot leave its claim.
+_DOT_SEGMENT_RE = r"/\.\.?(/|$)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A parsed `model.source`."""
+
+    scheme: Literal["hf", "modelscope", "oci", "pvc"]
+    # hf/modelscope: "org/name"; oci: "registry/repo"; pvc: claim name
+    location: str
+    digest: str | None = None  # oci only: "sha256:<hex>"
+    sub_path: str = ""  # pvc only: path inside the claim, no leading slash
+
+    @property
+    def is_hub(self) -> bool:
+        return self.scheme in ("hf", "modelscope")
+
+
+def parse_model_source(source: str) -> ModelSource:
+    """Parse a model source URI; raises ValueError with a user-facing message."""
+    if not re.fullmatch(MODEL_SOURCE_RE, source):
+        raise ValueError(
+            f"model.source {source!r} must be hf://org/name, modelscope://org/name, "
+            "oci://registry/repo@sha256:<digest> (digest pinning is mandatory) or pvc://claim/sub/path"
+        )
+    scheme, rest = source.split("://", 1)
+    if scheme == "oci":
+        location, digest = rest.split("@", 1)
+        return ModelSource("oci", location, digest=digest)
+    if scheme == "pvc":
+        if re.search(_DOT_SEGMENT_RE, "/" + rest):
+            raise ValueError("model.source pvc:// path must not contain '.' or '..' segments")
+        claim, _, sub = rest.partition("/")
+        return ModelSource("pvc", claim, sub_path=sub)
+    return ModelSource(scheme, rest)  # type: ignore[arg-type]
+
+
+class ModelSpec(ApiModel):
+    """Which model to serve and where its weights come from."""
+
+    source: str = Field(
+        description="Where the weights come from: hf://org/name (Hugging Face), modelscope://org/name, "
+        "oci://registry/repo@sha256:<digest> (an OCI artifact; digest pinning is mandatory), or "
+        "pvc://claim/sub/path (pre-staged weights, mounted read-only at the runtime's modelMountPath).",
+        pattern=MODEL_SOURCE_RE,
+        max_length=512,
+    )
+    revision: str | None = Field(
+        default=None,
+        description="Hub revision (branch, tag or commit) for hf:// and modelscope:// sources.",
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        max_length=128,
+    )
+    served_name: str | None = Field(
+        default=None,
+        description="Model name clients send in requests; defaults to the LLMService name.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+        max_length=256,
+    )
+    credentials_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret with the hub token (key defaults to token) or, for oci://, a "
+        "kubernetes.io/dockerconfigjson Secret. Its data never appears in status, logs or args.",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!self.source.startsWith('pvc://') || !('/' + self.source.substring(6)).matches('"
+            + _DOT_SEGMENT_RE.replace("\\", "\\\\")
+            + "')",
+            message="a pvc:// source must not contain '.' or '..' path segments",
+            check=lambda s: not s.source.startswith("pvc://") or not re.search(_DOT_SEGMENT_RE, "/" + s.source[6:]),
+        ),
+        Rule(
+            cel="!has(self.revision) || self.source.startsWith('hf://') || self.source.startsWith('modelscope://')",
+            message="revision applies only to hf:// and modelscope:// sources (oci:// pins a digest)",
+            check=lambda s: s.revision is None or s.source.startswith(("hf://", "modelscope://")),
+        ),
+    )
+
+    @property
+    def parsed(self) -> ModelSource:
+        return parse_model_source(self.source)
+
+
+class RuntimeRef(ApiModel):
+    """Which InferenceRuntime runs this model: by name, or the highest-priority match of a selector."""
+
+    name: DNSLabel | None = Field(default=None, description="Name of the InferenceRuntime to use.")
+    selector: LabelSelector | None = Field(
+        default=None,
+        description="Label selector over InferenceRuntimes; the highest spec.priority wins, a tie is "
+        "reported as AmbiguousRuntime.",
+    )
+    args: list[str] = Field(default_factory=list, description="Args appended to the runtime's args.")
+    env: list[EnvVar] = Field(default_factory=list, description="Env appended to (and overriding) the runtime's env.")
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="has(self.name) != has(self.selector)",
+            message="set exactly one of runtime.name or runtime.selector",
+            check=lambda s: (s.name is None) != (s.selector is None),
+        ),
+    )
+
+
+class BackendResources(ApiModel):
+    """Resources of one backend (serving) Pod."""
+
+    accelerators: int = Field(
+        default=1, ge=0, le=64, description="Accelerators per replica (0 for CPU-only runtimes)."
+    )
+    cpu: Quantity | None = Field(default=None, description="CPU request of the serving container, e.g. 4.")
+    memory: Quantity | None = Field(default=None, description="Memory request and limit of the serving container.")
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Extra limits for the serving container (e.g. ephemeral-storage)."
+    )
+
+
+LeadingSignal = Literal["InFlightRatio", "KVCacheUsage", "WaitingRequests"]
+
+
+class LeadingSignalTrigger(ApiModel):
+    """A Prometheus trigger OR-combined with gateway demand for 1→N scale-out.
+
+    The query tracks the hottest replica (max over pods, not the mean) using the gauge names from the
+    runtime's metrics metadata.
+    """
+
+    signal: LeadingSignal = Field(
+        description="InFlightRatio (engine in-flight ÷ maxConcurrentSequences), KVCacheUsage (0..1) or "
+        "WaitingRequests (requests queued inside the engine)."
+    )
+    threshold: str = Field(
+        description="Per-replica target value, as a decimal string (e.g. \"0.8\" or \"4\").",
+        pattern=r"^[0-9]+(\.[0-9]+)?$",
+    )
+    server_address: str = Field(
+        description="Prometheus-compatible query URL, e.g. http://prometheus.monitoring.svc:9090.",
+        pattern=r"^https?://",
+    )
+    max_concurrent_sequences: int | None = Field(
+        default=None,
+        ge=1,
+        description="The engine's maximum concurrent sequences (vLLM --max-num-seqs); InFlightRatio divides by it.",
+    )
+    query: str | None = Field(default=None, description="Override the generated PromQL query.")
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.signal != 'InFlightRatio' || has(self.maxConcurrentSequences) || has(self.query)",
+            message="InFlightRatio needs maxConcurrentSequences (or an explicit query)",
+            check=lambda s: s.signal != "InFlightRatio" or s.max_concurrent_sequences is not None or s.query is not None,
+        ),
+    )
+
+
+class Scaling(ApiModel):
+    """Replica bounds and timings. KEDA owns backend replicas; these are its inputs."""
+
+    min: int = Field(default=0, ge=0, le=1000, description="Minimum backend replicas; 0 releases accelerators when idle.")
+    max: int = Field(default=1, ge=1, le=1000, description="Maximum backend replicas.")
+    target_per_replica: int = Field(
+        default=10, ge=1, description="Gateway demand (queued + in-flight requests) one replica should carry."
+    )
+    activation_timeout: Duration = Field(
+        default="5m",
+        description="How long a cold request keeps the backend waking before it gets activation_timeout.",
+    )
+    cooldown_period: Duration = Field(
+        default="5m", description="Idle time before scaling back to min (KEDA cooldownPeriod and HPA scale-down window)."
+    )
+    polling_interval: Duration = Field(default="5s", description="How often KEDA polls the scaler.")
+    triggers: list[LeadingSignalTrigger] = Field(
+        default_factory=list, max_length=8, description="Leading-signal triggers for 1→N, OR-combined with demand."
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.min <= self.max",
+            message="scaling.min must not exceed scaling.max",
+            check=lambda s: s.min <= s.max,
+        ),
+        Rule(
+            cel="duration(self.activationTimeout) >= duration('1s') && duration(self.activationTimeout) <= duration('1h')",
+            message="scaling.activationTimeout must be between 1s and 1h",
+            check=lambda s: 1 <= duration_seconds(s.activation_timeout) <= 3600,
+        ),
+        Rule(
+            cel="duration(self.pollingInterval) >= duration('1s')",
+            message="scaling.pollingInterval must be at least 1s",
+            check=lambda s: duration_seconds(s.polling_interval) >= 1,
+        ),
+    )
+
+
+CacheStrategy = Literal["NodeLocalPVC", "SharedPVC", "HostPath", "None", "BakedImage"]
+
+
+class Cache(ApiModel):
+    """Where downloaded weights are kept between cold starts."""
+
+    strategy: CacheStrategy = Field(
+        default="NodeLocalPVC",
+        description="NodeLocalPVC (RWO claim on a node-local class), SharedPVC (one RWX claim shared by replicas), "
+        "HostPath, None (download into an emptyDir every start), or BakedImage (reserved, not implemented).",
+    )
+    size: Quantity = Field(default="50Gi", description="Size of the cache claim.")
+    storage_class_name: str | None = Field(default=None, description="StorageClass of the cache claim.")
+    host_path: str | None = Field(default=None, description="Node directory for the HostPath strategy.", pattern=r"^/")
+    prewarm: bool = Field(
+        default=False,
+        description="Download the weights with a Job (no accelerator) before serving; with SharedPVC, serving Pods "
+        "then mount the cache read-only.",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="(self.strategy == 'HostPath') == has(self.hostPath)",
+            message="cache.hostPath is required with strategy HostPath and not allowed otherwise",
+            check=lambda s: (s.strategy == "HostPath") == (s.host_path is not None),
+        ),
+        Rule(
+            cel="!self.prewarm || self.strategy in ['NodeLocalPVC', 'SharedPVC', 'HostPath']",
+            message="cache.prewarm needs a persistent cache (NodeLocalPVC, SharedPVC or HostPath)",
+            check=lambda s: not s.prewarm or s.strategy in ("NodeLocalPVC", "SharedPVC", "HostPath"),
+        ),
+    )
+
+
+class EndpointAuth(ApiModel):
+    """Client API-key authentication at the gateway."""
+
+    secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the API key clients send as a Bearer token (key defaults to api-key). "
+        "Reread on every request, so rotating the Secret needs no restart."
+    )
+
+
+class EndpointService(ApiModel):
+    """The public gateway Service."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP", description="Service type.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations of the public Service.")
+
+
+class Endpoint(ApiModel):
+    """The always-on OpenAI-compatible gateway in front of the backend."""
+
+    replicas: int = Field(
+        default=1, ge=1, le=32, description="Gateway replicas; more than one adds an aggregate scaler and a PDB."
+    )
+    max_queue: int = Field(
+        default=100, ge=1, le=10000, description="Per-gateway bound on waiting plus in-flight requests; beyond it, 429."
+    )
+    cold_request_mode: Literal["keepalive", "reject"] = Field(
+        default="keepalive",
+        description="keepalive holds cold requests (SSE heartbeats for streams) until the backend is Ready; "
+        "reject answers 503 with Retry-After while the backend still wakes.",
+    )
+    retry_after_seconds: int = Field(default=10, ge=1, le=3600, description="Retry-After of reject-mode 503s.")
+    auth: EndpointAuth | None = Field(default=None, description="Optional client API-key authentication.")
+    resources: ResourceRequirements | None = Field(
+        default=None, description="Gateway container resources (defaults: 100m CPU, 128Mi request; 512Mi limit)."
+    )
+    service: EndpointService = Field(default_factory=EndpointService, description="Public Service type and annotations.")
+
+
+class ScalerTLS(ApiModel):
+    """Mutual TLS between KEDA and the scaler, from credentials that already exist in the namespace."""
+
+    secret_name: DNSLabel = Field(
+        description="kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt (the CA that signs KEDA's client cert)."
+    )
+    trigger_authentication: DNSLabel = Field(
+        description="KEDA TriggerAuthentication carrying caCert, tlsClientCert and tlsClientKey for KEDA's side."
+    )
+
+
+class LLMServiceSpec(ApiModel):
+    """Desired state of one served model."""
+
+    model: ModelSpec = Field(description="The model and where its weights come from.")
+    runtime: RuntimeRef = Field(description="The InferenceRuntime that runs the model.")
+    resources: BackendResources = Field(default_factory=BackendResources, description="Backend Pod resources.")
+    scaling: Scaling = Field(default_factory=Scaling, description="Replica bounds, activation and cooldown timings.")
+    cache: Cache = Field(default_factory=Cache, description="Model cache and prewarm.")
+    endpoint: Endpoint = Field(default_factory=Endpoint, description="The gateway: admission, cold mode, auth, Service.")
+    scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler.")
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!self.model.source.startsWith('pvc://') || !self.cache.prewarm",
+            message="a pvc:// source is pre-staged: cache.prewarm does not apply",
+            check=lambda s: not s.model.source.startswith("pvc://") or not s.cache.prewarm,
+        ),
+        Rule(
+            cel="!self.model.source.startsWith('oci://') || self.cache.strategy != 'None'",
+            message="an oci:// source is staged by a Job into the cache: cache.strategy None is not possible",
+            check=lambda s: not s.model.source.startswith("oci://") or s.cache.strategy != "None",
+        ),
+    )
+
+
+class LLMService(ApiModel):
+    """The whole LLMService object as Metacontroller sends it."""
+
+    model_config = ApiModel.model_config | {"extra": "ignore"}
+
+    api_version: Literal["serving.noctaya.io/v1alpha1"] = Field(default=API_VERSION)
+    kind: Literal["LLMService"] = "LLMService"
+    metadata: ObjectMeta
+    spec: LLMServiceSpec
+    status: LLMServiceStatus | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.metadata.name
+
+    crd: ClassVar[CRDInfo] = CRDInfo(
+        kind="LLMService",
+        plural="llmservices",
+        singular="llmservice",
+        scope="Namespaced",
+        short_names=("llm", "llmsvc"),
+        description="LLMService declares one served model: its weights, the InferenceRuntime that runs it, "
+        "backend resources, scale-to-zero behaviour, model cache and the OpenAI-compatible gateway in front of it.",
+        printer_columns=(
+            PrinterColumn("Runtime", ".status.runtime"),
+            PrinterColumn("Replicas", ".status.replicas", type="integer"),
+            PrinterColumn("Ready", '.status.conditions[?(@.type=="Ready")].status'),
+            PrinterColumn("Endpoint", ".status.endpoint"),
+            PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+        ),
+    )

@@ -1,0 +1,241 @@
+"""InferenceRuntime: a reusable, cluster-scoped description of how to run an engine.
+
+It is configuration, not a workload: its controller only validates it and writes Accepted. An
+LLMService names a runtime (or selects one by labels) and the hooks render the runtime's pod.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from hooks.api.common import (
+    API_VERSION,
+    ApiModel,
+    CRDInfo,
+    Duration,
+    EnvVar,
+    ObjectMeta,
+    Port,
+    PrinterColumn,
+    Quantity,
+    Rule,
+    Toleration,
+    duration_seconds,
+)
+from hooks.api.status import InferenceRuntimeStatus
+
+Engine = Literal["vllm", "sglang", "llamacpp", "tgi", "custom"]
+Vendor = Literal["nvidia", "amd", "intel-gaudi", "ascend", "none"]
+
+
+class Accelerator(ApiModel):
+    """Which accelerator the engine needs; vendor adapters turn this into Pod fields."""
+
+    vendor: Vendor = Field(
+        default="nvidia",
+        description="Accelerator vendor: nvidia, amd, intel-gaudi, ascend, or none (CPU only). It selects "
+        "the extended resource name (nvidia.com/gpu, amd.com/gpu, habana.ai/gaudi, huawei.com/Ascend910) "
+        "and vendor environment defaults.",
+    )
+    resource_name: str | None = Field(
+        default=None,
+        description="Override the extended resource requested per accelerator, e.g. nvidia.com/mig-1g.10gb.",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$",
+        max_length=253,
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the serving Pod must run on (merged over vendor defaults)."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations added to the serving Pod (e.g. for tainted GPU nodes)."
+    )
+    runtime_class_name: str | None = Field(
+        default=None, description="RuntimeClass for the serving Pod (e.g. nvidia)."
+    )
+
+
+class VolcanoScheduling(ApiModel):
+    """Hints for the Volcano batch scheduler (used when schedulerName is volcano)."""
+
+    queue: str | None = Field(default=None, description="Volcano queue (annotation scheduling.volcano.sh/queue-name).")
+    pod_group: str | None = Field(
+        default=None, description="Existing PodGroup to join (annotation scheduling.k8s.io/group-name)."
+    )
+
+
+class HAMiSharing(ApiModel):
+    """HAMi GPU sharing: a slice of one device instead of a whole one."""
+
+    gpu_memory_mi_b: int | None = Field(
+        default=None,
+        alias="gpuMemoryMiB",
+        ge=1,
+        description="Device memory per accelerator in MiB (resource nvidia.com/gpumem).",
+    )
+    gpu_cores_percent: int | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Share of device compute in percent (resource nvidia.com/gpucores).",
+    )
+
+
+class Scheduling(ApiModel):
+    """Scheduler selection and hints. Noctaya references schedulers; it does not install them."""
+
+    scheduler_name: str | None = Field(default=None, description="Pod schedulerName, e.g. volcano or hami-scheduler.")
+    priority_class_name: str | None = Field(default=None, description="PriorityClass of the serving Pod.")
+    volcano: VolcanoScheduling | None = Field(default=None, description="Volcano queue and PodGroup hints.")
+    hami: HAMiSharing | None = Field(default=None, description="HAMi device-sharing resources.")
+
+
+class Probe(ApiModel):
+    """An HTTP probe against the engine's port."""
+
+    path: str = Field(default="/health", description="HTTP path probed on the engine port.", pattern=r"^/")
+    initial_delay_seconds: int = Field(default=0, ge=0, description="Delay before the first probe.")
+    period_seconds: int = Field(default=10, ge=1, description="Seconds between probes.")
+    timeout_seconds: int = Field(default=5, ge=1, description="Seconds before a probe attempt times out.")
+    failure_threshold: int = Field(default=3, ge=1, description="Consecutive failures before the probe fails.")
+
+
+class Probes(ApiModel):
+    """Probes sized for long model loads. Unset probes get Noctaya's defaults."""
+
+    startup: Probe | None = Field(
+        default=None,
+        description="Startup probe; defaults to GET /health every 10s, 60 failures allowed (10 minutes to load).",
+    )
+    readiness: Probe | None = Field(
+        default=None,
+        description="Readiness probe; its path is also what the gateway polls before forwarding. Default /health.",
+    )
+    liveness: Probe | None = Field(default=None, description="Liveness probe; defaults to /health every 10s, 6 failures.")
+
+
+class Lifecycle(ApiModel):
+    """Graceful drain of a serving Pod on scale-in or rollout."""
+
+    drain_timeout: Duration = Field(
+        default="2m",
+        description="How long the preStop hook waits for in-flight requests to finish before the engine is stopped.",
+    )
+    termination_grace_period_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Pod terminationGracePeriodSeconds; must be at least drainTimeout + 10s (the default).",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.terminationGracePeriodSeconds) || "
+            "self.terminationGracePeriodSeconds >= duration(self.drainTimeout).getSeconds() + 10",
+            message="terminationGracePeriodSeconds must be at least drainTimeout + 10 seconds",
+            check=lambda s: s.termination_grace_period_seconds is None
+            or s.termination_grace_period_seconds >= int(duration_seconds(s.drain_timeout)) + 10,
+        ),
+    )
+
+    @property
+    def drain_seconds(self) -> int:
+        return int(duration_seconds(self.drain_timeout))
+
+    @property
+    def grace_seconds(self) -> int:
+        return self.termination_grace_period_seconds or self.drain_seconds + 10
+
+
+class RuntimeMetrics(ApiModel):
+    """Where the engine exposes Prometheus metrics, and the names of its load gauges."""
+
+    path: str = Field(default="/metrics", description="Metrics path on the engine.", pattern=r"^/")
+    port: Port | None = Field(default=None, description="Metrics port; defaults to the engine port.")
+    in_flight_metric: str | None = Field(
+        default=None, description="Gauge of requests being processed, e.g. vllm:num_requests_running."
+    )
+    waiting_metric: str | None = Field(
+        default=None, description="Gauge of requests waiting in the engine, e.g. vllm:num_requests_waiting."
+    )
+    kv_cache_usage_metric: str | None = Field(
+        default=None, description="Gauge of KV-cache usage in [0,1], e.g. vllm:kv_cache_usage_perc."
+    )
+
+
+class InferenceRuntimeSpec(ApiModel):
+    """How to run one inference engine on one kind of accelerator."""
+
+    engine: Engine = Field(description="Engine family: vllm, sglang, llamacpp, tgi or custom.")
+    image: str = Field(description="Container image of the engine (pin a tag or digest).", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy of the serving container."
+    )
+    command: list[str] = Field(default_factory=list, description="Container command (entrypoint override).")
+    args: list[str] = Field(
+        default_factory=list,
+        description="Container args. Refer to model facts with Kubernetes $(VAR) expansion: $(NOCTAYA_MODEL_PATH), "
+        "$(NOCTAYA_SERVED_NAME), $(NOCTAYA_PORT), $(NOCTAYA_ACCELERATORS), $(NOCTAYA_MODEL_REVISION).",
+    )
+    env: list[EnvVar] = Field(default_factory=list, description="Environment of the serving container.")
+    port: Port = Field(default=8000, description="Port the engine serves its OpenAI-compatible API on.")
+    model_mount_path: str = Field(
+        default="/models", description="Where pvc:// model sources are mounted (read-only).", pattern=r"^/"
+    )
+    cache_mount_path: str = Field(
+        default="/cache", description="Where the model cache volume is mounted.", pattern=r"^/"
+    )
+    shm_size: Quantity | None = Field(
+        default=None, description="Size of a memory-backed /dev/shm (tensor-parallel engines need more than 64Mi)."
+    )
+    priority: int = Field(
+        default=0,
+        description="When an LLMService selects runtimes by label, the highest priority wins; a tie is reported "
+        "as AmbiguousRuntime rather than guessed.",
+    )
+    accelerator: Accelerator = Field(default_factory=Accelerator, description="Accelerator vendor and placement.")
+    scheduling: Scheduling = Field(default_factory=Scheduling, description="Scheduler selection and hints.")
+    probes: Probes = Field(default_factory=Probes, description="Startup, readiness and liveness probes.")
+    lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Drain on termination.")
+    metrics: RuntimeMetrics | None = Field(
+        default=None, description="Engine metrics metadata, used by leading-signal triggers and monitoring."
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.engine != 'custom' || size(self.command) > 0 || size(self.args) > 0",
+            message="a custom engine needs a command or args",
+            check=lambda s: s.engine != "custom" or bool(s.command) or bool(s.args),
+        ),
+    )
+
+
+class InferenceRuntime(ApiModel):
+    """The whole InferenceRuntime object as Metacontroller sends it."""
+
+    model_config = ApiModel.model_config | {"extra": "ignore"}
+
+    api_version: Literal["serving.noctaya.io/v1alpha1"] = Field(default=API_VERSION)
+    kind: Literal["InferenceRuntime"] = "InferenceRuntime"
+    metadata: ObjectMeta
+    spec: InferenceRuntimeSpec
+    status: InferenceRuntimeStatus | None = None
+
+    crd: ClassVar[CRDInfo] = CRDInfo(
+        kind="InferenceRuntime",
+        plural="inferenceruntimes",
+        singular="inferenceruntime",
+        scope="Cluster",
+        short_names=("irt",),
+        description="InferenceRuntime is a reusable, cluster-scoped description of how to run an inference "
+        "engine (image, args, port, probes, drain) on one kind of accelerator. It is configuration, not a "
+        "workload: LLMServices reference it by name or select it by label.",
+        printer_columns=(
+            PrinterColumn("Engine", ".spec.engine"),
+            PrinterColumn("Vendor", ".spec.accelerator.vendor"),
+            PrinterColumn("Priority", ".spec.priority", type="integer"),
+            PrinterColumn("Accepted", '.status.conditions[?(@.type=="Accepted")].status'),
+            PrinterColumn("Image", ".spec.image", priority=1),
+            PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+        ),
+    )

@@ -1,0 +1,92 @@
+"""Status shapes, condition types and the reasons that tell a user what is happening."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class ConditionType(StrEnum):
+    RUNTIME_RESOLVED = "RuntimeResolved"
+    AUTOSCALING_READY = "AutoscalingReady"
+    CACHE_READY = "CacheReady"
+    BACKEND_READY = "BackendReady"
+    GATEWAY_READY = "GatewayReady"
+    READY = "Ready"
+    ACCEPTED = "Accepted"  # InferenceRuntime only
+
+
+class Reason(StrEnum):
+    """Every reason a condition can carry; docs/troubleshooting.md explains each one."""
+
+    # progress and success
+    RESOLVED = "Resolved"
+    CONFIGURED = "Configured"
+    AVAILABLE = "Available"
+    READY = "Ready"
+    ACCEPTED = "Accepted"
+    PROGRESSING = "Progressing"
+    SCALED_TO_ZERO = "ScaledToZero"
+    ACTIVATING = "Activating"
+    CACHE_NOT_USED = "CacheNotUsed"
+    PREWARM_RUNNING = "PrewarmRunning"
+    # failures of the backend
+    UNSCHEDULABLE = "Unschedulable"
+    IMAGE_PULL_FAILED = "ImagePullFailed"
+    CRASH_LOOP = "CrashLoop"
+    OOM_KILLED = "OOMKilled"
+    REPEATED_TERMINATION = "RepeatedTermination"
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+    # cache
+    PREWARM_FAILED = "PrewarmFailed"
+    CACHE_SPEC_CONFLICT = "CacheSpecConflict"
+    NOT_IMPLEMENTED = "NotImplemented"
+    # configuration
+    RUNTIME_NOT_FOUND = "RuntimeNotFound"
+    AMBIGUOUS_RUNTIME = "AmbiguousRuntime"
+    KEDA_NOT_INSTALLED = "KEDANotInstalled"
+    INVALID_SPEC = "InvalidSpec"
+    SECRET_NOT_FOUND = "SecretNotFound"
+    WAITING_FOR_DEPENDENCIES = "WaitingForDependencies"
+    TERMINATING = "Terminating"
+
+
+class _StatusModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+    def wire(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class Condition(_StatusModel):
+    """A standard Kubernetes condition (metav1.Condition shape)."""
+
+    type: str = Field(description="Condition type, e.g. Ready or BackendReady.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="One CamelCase word saying why; see docs/troubleshooting.md.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339); unchanged while status is unchanged."
+    )
+    observed_generation: int | None = Field(default=None, description="The spec generation this was computed from.")
+
+
+class LLMServiceStatus(_StatusModel):
+    """What Noctaya observed and decided for one LLMService."""
+
+    observed_generation: int | None = Field(default=None, description="The spec generation last processed.")
+    runtime: str | None = Field(default=None, description="Name of the InferenceRuntime in use.")
+    endpoint: str | None = Field(default=None, description="In-cluster OpenAI-compatible base URL of the gateway.")
+    replicas: int | None = Field(default=None, description="Backend replicas (as KEDA set them).")
+    ready_replicas: int | None = Field(default=None, description="Backend replicas that pass readiness.")
+    conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
+
+
+class InferenceRuntimeStatus(_StatusModel):
+    """Validation result of an InferenceRuntime."""
+
+    observed_generation: int | None = Field(default=None, description="The spec generation last validated.")
+    conditions: list[Condition] = Field(default_factory=list, description="Accepted condition.")
