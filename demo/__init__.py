@@ -1,0 +1,1 @@
+"""`make demo`: Noctaya's scale-from-zero path on one machine, without a cluster."""
