@@ -1,0 +1,317 @@
+"""`python -m demo` — scale from zero and back, on one machine, with no cluster.
+
+What runs (all on 127.0.0.1, all real Noctaya code except the clearly labelled stand-in):
+
+1. the hook server (`python -m hooks serve`), asked over HTTP to sync the example LLMService;
+2. one gateway (`python -m gateway`) configured from the env of the gateway Deployment the hooks
+   rendered (only addresses and demo-sized timings are changed);
+3. a STAND-IN FOR KEDA + KUBELET: it opens the gateway's real StreamIsActive gRPC stream, starts a
+   small OpenAI-compatible backend (`demo/backend.py`, which "loads" for a few seconds) when the
+   stream says active, polls IsActive like KEDA does, and stops the backend after an idle cooldown;
+4. a cold request with the real `openai` client, streamed, with a timeline of what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_RUNTIME = ROOT / "examples" / "runtimes" / "llamacpp-cpu.yaml"
+EXAMPLE_MODEL = ROOT / "examples" / "models" / "scale-to-zero.yaml"
+T0 = time.monotonic()
+
+
+def say(who: str, what: str) -> None:
+    print(f"[{time.monotonic() - T0:7.3f}s] {who:<10} {what}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, ok: tuple[int, ...] = (200,)) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=0.5).status_code in ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+def first_doc(path: Path, kind: str) -> dict[str, Any]:
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc and doc.get("kind") == kind:
+            return doc
+    raise SystemExit(f"{path}: no {kind} document")
+
+
+def sync_request(service: dict, runtime: dict) -> dict:
+    """A Metacontroller v2 sync request for a fresh LLMService (nothing observed yet)."""
+    parent = json.loads(json.dumps(service))
+    parent["metadata"].setdefault("namespace", "default")
+    parent["metadata"].update(uid="00000000-0000-4000-8000-000000000001", generation=1)
+    return {
+        "controller": {"metadata": {"name": "noctaya-llmservice"}},
+        "parent": parent,
+        "children": {
+            "Deployment.apps/v1": {},
+            "Service.v1": {},
+            "Secret.v1": {},
+            "PodDisruptionBudget.policy/v1": {},
+            "PersistentVolumeClaim.v1": {},
+            "Job.batch/v1": {},
+        },
+        "related": {
+            "InferenceRuntime.serving.noctaya.io/v1alpha1": {runtime["metadata"]["name"]: runtime},
+            "CustomResourceDefinition.apiextensions.k8s.io/v1": {
+                "scaledobjects.keda.sh": {
+                    "apiVersion": "apiextensions.k8s.io/v1",
+                    "kind": "CustomResourceDefinition",
+                    "metadata": {"name": "scaledobjects.keda.sh"},
+                }
+            },
+            "Pod.v1": {},
+        },
+        "finalizing": False,
+    }
+
+
+class Processes:
+    """Child processes of the demo; all are stopped on exit."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+
+
+class KedaKubeletStandIn:
+    """STAND-IN for KEDA + kubelet: scale 0→1 on a pushed `true`, 1→0 after idle cooldown.
+
+    Like KEDA, it trusts the pushed stream for activation and the polled IsActive for scale-in.
+    "Scaling to 1" here means starting the demo backend process; "to 0" means stopping it.
+    """
+
+    def __init__(self, procs: Processes, scaler_addr: str, backend_port: int, model: str, cooldown: float,
+                 poll: float, load_seconds: float) -> None:
+        from scaler import externalscaler_pb2 as pb
+        from scaler import externalscaler_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.channel = grpc.insecure_channel(scaler_addr)
+        self.stub = pb_grpc.ExternalScalerStub(self.channel)
+        self.ref = pb.ScaledObjectRef(name="demo", namespace="default", scalerMetadata={"scalerAddress": scaler_addr})
+        self.procs = procs
+        self.backend_port = backend_port
+        self.model = model
+        self.cooldown = cooldown
+        self.poll = poll
+        self.load_seconds = load_seconds
+        self.backend: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.scaled_to_zero = threading.Event()
+        self.activated_at: float | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch_stream, daemon=True).start()
+        threading.Thread(target=self._poll_is_active, daemon=True).start()
+
+    def _scale_up(self) -> None:
+        with self.lock:
+            if self.backend is not None:
+                return
+            say("stand-in", "scaling backend 0 → 1 (starting demo/backend.py; it loads for "
+                f"{self.load_seconds:.0f}s before /health passes)")
+            self.backend = self.procs.start(
+                ["-m", "demo.backend", "--port", str(self.backend_port), "--model", self.model,
+                 "--load-seconds", str(self.load_seconds)]
+            )
+            self.scaled_to_zero.clear()
+        threading.Thread(target=self._report_ready, daemon=True).start()
+
+    def _report_ready(self) -> None:
+        try:
+            wait_http(f"http://127.0.0.1:{self.backend_port}/health", timeout=60)
+            say("backend", "Ready (/health 200)")
+        except TimeoutError:
+            say("backend", "did not become ready")
+
+    def _watch_stream(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                for msg in self.stub.StreamIsActive(self.ref):
+                    if msg.result:
+                        if self.activated_at is None:
+                            self.activated_at = time.monotonic()
+                            say("stand-in", "StreamIsActive pushed true")
+                        self._scale_up()
+            except grpc.RpcError as err:
+                if self.stopped.is_set():
+                    return
+                say("stand-in", f"stream ended ({err.code().name}); reconnecting in 1s")
+                time.sleep(1)
+
+    def _poll_is_active(self) -> None:
+        inactive_since: float | None = None
+        while not self.stopped.wait(self.poll):
+            try:
+                active = self.stub.IsActive(self.ref, timeout=2).result
+            except grpc.RpcError:
+                continue
+            now = time.monotonic()
+            if active:
+                inactive_since = None
+                continue
+            inactive_since = inactive_since or now
+            with self.lock:
+                if self.backend is not None and now - inactive_since >= self.cooldown:
+                    say("stand-in", f"IsActive false for {self.cooldown:.0f}s (cooldown): scaling backend 1 → 0")
+                    Processes.stop(self.backend)
+                    self.backend = None
+                    self.activated_at = None
+                    self.scaled_to_zero.set()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.channel.close()
+
+
+def render_through_hooks(procs: Processes, service: dict, runtime: dict) -> dict:
+    port = free_port()
+    procs.start(["-m", "hooks", "serve", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
+    wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+    say("hooks", f"hook server up on :{port}; POST /v1/llmservice/sync for {service['metadata']['name']}")
+    resp = requests.post(f"http://127.0.0.1:{port}/v1/llmservice/sync", json=sync_request(service, runtime), timeout=10)
+    resp.raise_for_status()
+    answer = resp.json()
+    for child in answer["children"]:
+        say("hooks", f"  child {child['kind']}/{child['metadata']['name']}")
+    for cond in answer["status"].get("conditions", []):
+        say("hooks", f"  condition {cond['type']}={cond['status']} ({cond['reason']})")
+    return answer
+
+
+def gateway_env(answer: dict) -> dict[str, str]:
+    for child in answer["children"]:
+        if child["kind"] == "Deployment" and child["metadata"]["labels"].get("serving.noctaya.io/component") == "gateway":
+            container = child["spec"]["template"]["spec"]["containers"][0]
+            return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    raise SystemExit("the hooks rendered no gateway Deployment")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Local scale-from-zero demo (no cluster needed).")
+    parser.add_argument("--cooldown", type=float, default=6.0, help="idle seconds before scale to zero")
+    parser.add_argument("--load-seconds", type=float, default=3.0, help="simulated model load time")
+    args = parser.parse_args()
+
+    service = first_doc(EXAMPLE_MODEL, "LLMService")
+    runtime = first_doc(EXAMPLE_RUNTIME, "InferenceRuntime")
+    service["spec"]["runtime"] = {"name": runtime["metadata"]["name"]}
+    procs = Processes()
+    standin: KedaKubeletStandIn | None = None
+    try:
+        answer = render_through_hooks(procs, service, runtime)
+        env = gateway_env(answer)
+        gw_port, scaler_port, backend_port = free_port(), free_port(), free_port()
+        model = env["NOCTAYA_SERVED_MODEL_NAME"]
+        env.update(
+            NOCTAYA_LISTEN_PORT=str(gw_port),
+            NOCTAYA_SCALER_PORT=str(scaler_port),
+            NOCTAYA_BACKEND_URL=f"http://127.0.0.1:{backend_port}",
+            # Demo-sized timings: a short grace so the lease ends soon after the answer.
+            NOCTAYA_READY_GRACE_SECONDS="1",
+            NOCTAYA_HEARTBEAT_SECONDS="1",
+        )
+        say("gateway", f"starting with the rendered env (backend {env['NOCTAYA_BACKEND_URL']}, "
+            f"maxQueue {env['NOCTAYA_MAX_QUEUE']}, mode {env['NOCTAYA_COLD_MODE']})")
+        procs.start(["-m", "gateway"], env=env)
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz", timeout=30)
+        standin = KedaKubeletStandIn(procs, f"127.0.0.1:{scaler_port}", backend_port, model,
+                                     cooldown=args.cooldown, poll=1.0, load_seconds=args.load_seconds)
+        standin.start()
+        time.sleep(0.5)
+
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw_port}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        say("client", f"GET /v1/models while cold → {[m.id for m in client.models.list().data]} "
+            "(answered by the gateway; no GPU woken)")
+        say("client", "sending a cold streamed chat completion")
+        sent = time.monotonic()
+        first: float | None = None
+        text = []
+        for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "wake up and say hello"}], stream=True
+        ):
+            if first is None:
+                first = time.monotonic()
+                say("client", f"first token after {first - sent:.2f}s")
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+        say("client", f"answer: {''.join(text)!r}")
+        queue = requests.get(f"http://127.0.0.1:{gw_port}/noctaya/queue", timeout=2).json()
+        say("gateway", f"/noctaya/queue → {json.dumps(queue)}")
+        say("client", "warm request (non-streamed)")
+        warm_start = time.monotonic()
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "again"}])
+        say("client", f"warm answer in {1000 * (time.monotonic() - warm_start):.0f} ms: "
+            f"{reply.choices[0].message.content!r}")
+        say("demo", f"idle now; waiting for the lease to end and {args.cooldown:.0f}s of cooldown")
+        if not standin.scaled_to_zero.wait(60 + args.cooldown):
+            say("demo", "backend did not scale to zero in time")
+            return 1
+        time.sleep(1.5)
+        queue = requests.get(f"http://127.0.0.1:{gw_port}/noctaya/queue", timeout=2).json()
+        say("gateway", f"/noctaya/queue → {json.dumps(queue)}")
+        say("demo", "scaled back to zero: the accelerator is free, the gateway still answers")
+        return 0
+    finally:
+        if standin is not None:
+            standin.close()
+        procs.stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
