@@ -94,7 +94,8 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 # A Go-style duration (`90s`, `5m`, `1h30m`), as Kubernetes users write them and CEL's
 # `duration()` reads them.
-Duration = Annotated[str, Field(pattern=_DURATION_RE)]
+# maxLength bounds the CEL cost of rules that parse it with duration().
+Duration = Annotated[str, Field(pattern=_DURATION_RE, max_length=32)]
 
 
 def duration_seconds(value: str) -> float:
@@ -175,11 +176,12 @@ class LabelSelectorRequirement(ApiModel):
 
     key: str = Field(description="Label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="Set operator.")
-    values: list[str] = Field(default_factory=list, description="Values for In and NotIn.")
+    values: list[str] = Field(default_factory=list, max_length=64, description="Values for In and NotIn.")
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="(self.operator in ['In', 'NotIn']) == (size(self.values) > 0)",
+            # has(): an omitted list is absent in CEL, not empty (no schema default for [])
+            cel="(self.operator in ['In', 'NotIn']) == (has(self.values) && size(self.values) > 0)",
             message="In and NotIn need values; Exists and DoesNotExist take none",
             check=lambda s: (s.operator in ("In", "NotIn")) == (len(s.values) > 0),
         ),
@@ -191,12 +193,13 @@ class LabelSelector(ApiModel):
 
     match_labels: dict[str, str] = Field(default_factory=dict, description="Labels that must all match.")
     match_expressions: list[LabelSelectorRequirement] = Field(
-        default_factory=list, description="Set-based requirements that must all hold."
+        default_factory=list, max_length=32, description="Set-based requirements that must all hold."
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="size(self.matchLabels) + size(self.matchExpressions) > 0",
+            cel="(has(self.matchLabels) && size(self.matchLabels) > 0) "
+            "|| (has(self.matchExpressions) && size(self.matchExpressions) > 0)",
             message="an empty selector would match every runtime: give matchLabels or matchExpressions",
             check=lambda s: len(s.match_labels) + len(s.match_expressions) > 0,
         ),

@@ -129,7 +129,9 @@ class RuntimeRef(ApiModel):
         "reported as AmbiguousRuntime.",
     )
     args: list[str] = Field(default_factory=list, description="Args appended to the runtime's args.")
-    env: list[EnvVar] = Field(default_factory=list, description="Env appended to (and overriding) the runtime's env.")
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Env appended to (and overriding) the runtime's env."
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(

@@ -177,7 +177,9 @@ class InferenceRuntimeSpec(ApiModel):
         description="Container args. Refer to model facts with Kubernetes $(VAR) expansion: $(NOCTAYA_MODEL_PATH), "
         "$(NOCTAYA_SERVED_NAME), $(NOCTAYA_PORT), $(NOCTAYA_ACCELERATORS), $(NOCTAYA_MODEL_REVISION).",
     )
-    env: list[EnvVar] = Field(default_factory=list, description="Environment of the serving container.")
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=128, description="Environment of the serving container."
+    )
     port: Port = Field(default=8000, description="Port the engine serves its OpenAI-compatible API on.")
     model_mount_path: str = Field(
         default="/models", description="Where pvc:// model sources are mounted (read-only).", pattern=r"^/"
@@ -203,7 +205,8 @@ class InferenceRuntimeSpec(ApiModel):
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="self.engine != 'custom' || size(self.command) > 0 || size(self.args) > 0",
+            cel="self.engine != 'custom' || (has(self.command) && size(self.command) > 0) "
+            "|| (has(self.args) && size(self.args) > 0)",
             message="a custom engine needs a command or args",
             check=lambda s: s.engine != "custom" or bool(s.command) or bool(s.args),
         ),

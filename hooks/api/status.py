@@ -74,6 +74,10 @@ class Condition(_StatusModel):
     observed_generation: int | None = Field(default=None, description="The spec generation this was computed from.")
 
 
+# Conditions are a map keyed by type (as metav1.Condition lists are), so server-side apply merges them.
+_CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+
 class LLMServiceStatus(_StatusModel):
     """What Noctaya observed and decided for one LLMService."""
 
@@ -82,11 +86,15 @@ class LLMServiceStatus(_StatusModel):
     endpoint: str | None = Field(default=None, description="In-cluster OpenAI-compatible base URL of the gateway.")
     replicas: int | None = Field(default=None, description="Backend replicas (as KEDA set them).")
     ready_replicas: int | None = Field(default=None, description="Backend replicas that pass readiness.")
-    conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Current conditions.", json_schema_extra=_CONDITION_LIST
+    )
 
 
 class InferenceRuntimeStatus(_StatusModel):
     """Validation result of an InferenceRuntime."""
 
     observed_generation: int | None = Field(default=None, description="The spec generation last validated.")
-    conditions: list[Condition] = Field(default_factory=list, description="Accepted condition.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Accepted condition.", json_schema_extra=_CONDITION_LIST
+    )

@@ -1,0 +1,257 @@
+"""Gateway configuration: environment variables (as rendered into the gateway Deployment), each
+overridable by a ``--kebab-case`` flag, validated once at start-up.
+
+The contract (names, defaults) is the table in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GatewayConfig", "ConfigError", "load_config", "build_parser"]
+
+
+class ConfigError(ValueError):
+    """Invalid or missing configuration; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    backend_url: str
+    served_model_name: str
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8080
+    readiness_path: str = "/health"
+    max_queue: int = 100
+    cold_mode: str = "keepalive"
+    activation_timeout_seconds: float = 300.0
+    ready_grace_seconds: float = 15.0
+    queue_full_retry_after_seconds: int = 5
+    retry_after_seconds: int = 10
+    heartbeat_seconds: float = 10.0
+    drain_grace_seconds: float = 30.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    auth_key_file: str | None = None
+    scaler_mode: str = "local"
+    scaler_port: int = 9090
+    scaling_target: int = 10
+    metric_name: str = "noctaya-demand"
+    aggregator_url: str | None = None
+    aggregator_token_file: str | None = None
+    scaler_tls_cert_file: str | None = None
+    scaler_tls_key_file: str | None = None
+    scaler_tls_ca_file: str | None = None
+    # Extensions (documented in docs/architecture.md; defaults suit production).
+    probe_interval_seconds: float = 0.1
+    probe_timeout_seconds: float = 1.0
+    upstream_connect_timeout_seconds: float = 3.0
+    upstream_idle_timeout_seconds: float = 600.0
+    client_idle_timeout_seconds: float = 120.0
+    max_connections: int = 4096
+    log_level: str = "info"
+
+    @property
+    def backend_host(self) -> str:
+        return urllib.parse.urlsplit(self.backend_url).hostname or ""
+
+    @property
+    def backend_port(self) -> int:
+        return urllib.parse.urlsplit(self.backend_url).port or 80
+
+    @property
+    def backend_netloc(self) -> str:
+        return urllib.parse.urlsplit(self.backend_url).netloc
+
+    @property
+    def backend_base_path(self) -> str:
+        """Path prefix of the backend URL (usually empty), without a trailing slash."""
+        return urllib.parse.urlsplit(self.backend_url).path.rstrip("/")
+
+
+def _pos_int(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise ValueError("must be >= 1")
+    return n
+
+
+def _port(v: str) -> int:
+    n = int(v)
+    if not 0 <= n <= 65535:  # 0 = ephemeral (tests)
+        raise ValueError("must be a TCP port")
+    return n
+
+
+def _pos_float(v: str) -> float:
+    x = float(v)
+    if not x > 0 or x != x or x == float("inf"):
+        raise ValueError("must be a finite number > 0")
+    return x
+
+
+def _nonneg_float(v: str) -> float:
+    x = float(v)
+    if not x >= 0 or x == float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return x
+
+
+def _nonneg_int(v: str) -> int:
+    n = int(v)
+    if n < 0:
+        raise ValueError("must be >= 0")
+    return n
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        v = v.strip().lower()
+        if v not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return v
+
+    return parse
+
+
+def _text(v: str) -> str:
+    v = v.strip()
+    if not v:
+        raise ValueError("must not be empty")
+    return v
+
+
+def _path(v: str) -> str:
+    v = v.strip()
+    if not v.startswith("/") or any(c in v for c in " \r\n\t"):
+        raise ValueError("must be an absolute URL path")
+    return v
+
+
+def _backend_url(v: str) -> str:
+    v = v.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(v)
+    if parts.scheme != "http":
+        raise ValueError("must be an http:// URL (in-cluster Service)")
+    if not parts.hostname:
+        raise ValueError("must name a host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError("must not carry a query, fragment or credentials")
+    parts.port  # noqa: B018 - raises ValueError for a bad port
+    return v
+
+
+def _probe_interval(v: str) -> float:
+    x = _pos_float(v)
+    if x > 0.2:
+        raise ValueError("must be <= 0.2 seconds (SPEC: probe every <= 200 ms while waiting)")
+    return x
+
+
+# field -> parser; the env name is NOCTAYA_ + field upper-cased, the flag --field-with-dashes.
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "backend_url": _backend_url,
+    "served_model_name": _text,
+    "listen_host": _text,
+    "listen_port": _port,
+    "readiness_path": _path,
+    "max_queue": _pos_int,
+    "cold_mode": _choice("keepalive", "reject"),
+    "activation_timeout_seconds": _pos_float,
+    "ready_grace_seconds": _nonneg_float,
+    "queue_full_retry_after_seconds": _nonneg_int,
+    "retry_after_seconds": _nonneg_int,
+    "heartbeat_seconds": _pos_float,
+    "drain_grace_seconds": _nonneg_float,
+    "max_body_bytes": _pos_int,
+    "auth_key_file": _text,
+    "scaler_mode": _choice("local", "report", "off"),
+    "scaler_port": _port,
+    "scaling_target": _pos_int,
+    "metric_name": _text,
+    "aggregator_url": _text,
+    "aggregator_token_file": _text,
+    "scaler_tls_cert_file": _text,
+    "scaler_tls_key_file": _text,
+    "scaler_tls_ca_file": _text,
+    "probe_interval_seconds": _probe_interval,
+    "probe_timeout_seconds": _pos_float,
+    "upstream_connect_timeout_seconds": _pos_float,
+    "upstream_idle_timeout_seconds": _pos_float,
+    "client_idle_timeout_seconds": _pos_float,
+    "max_connections": _pos_int,
+    "log_level": _choice("debug", "info", "warning", "error"),
+}
+
+_HELP = {
+    "backend_url": "backend Service URL, e.g. http://qwen-backend.models.svc:8000 (required)",
+    "served_model_name": "model id answered by GET /v1/models while cold (required)",
+    "max_queue": "bound on waiting + in-flight requests",
+    "cold_mode": "keepalive (hold with SSE heartbeats) or reject (503 + Retry-After)",
+    "auth_key_file": "client API key file (mounted Secret key), reread per request; unset = no auth",
+    "scaler_mode": "local (in-process gRPC scaler), report (push to aggregator), off",
+}
+
+
+def env_name(field: str) -> str:
+    return "NOCTAYA_" + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="Noctaya gateway: OpenAI-compatible front door with bounded cold admission.",
+        epilog="Every flag falls back to the NOCTAYA_* environment variable of the same name.",
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(GatewayConfig)}
+    for field in _PARSERS:
+        default = defaults.get(field, dataclasses.MISSING)
+        shown = "required" if default is dataclasses.MISSING else f"default: {default}"
+        help_text = _HELP.get(field, field.replace("_", " "))
+        parser.add_argument(
+            flag_name(field), dest=field, default=None, metavar="VALUE",
+            help=f"{help_text} [{env_name(field)}; {shown}]",
+        )
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Flags win over env, env over defaults. Raises ConfigError naming the bad variable."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(list(argv) if argv is not None else [])
+    values: dict[str, Any] = {}
+    for field, parse in _PARSERS.items():
+        raw = getattr(args, field)
+        source = flag_name(field)
+        if raw is None:
+            raw = environ.get(env_name(field))
+            source = env_name(field)
+        if raw is None or (raw.strip() == "" and field not in ("backend_url", "served_model_name")):
+            continue
+        try:
+            values[field] = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    for required in ("backend_url", "served_model_name"):
+        if required not in values:
+            raise ConfigError(f"{env_name(required)} (or {flag_name(required)}) is required")
+    config = GatewayConfig(**values)
+    if config.scaler_mode == "report" and not (config.aggregator_url and config.aggregator_token_file):
+        raise ConfigError(
+            "NOCTAYA_SCALER_MODE=report needs NOCTAYA_AGGREGATOR_URL and NOCTAYA_AGGREGATOR_TOKEN_FILE"
+        )
+    tls = (config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
+    if any(tls) and not all(tls):
+        raise ConfigError(
+            "mutual TLS needs all of NOCTAYA_SCALER_TLS_CERT_FILE, _KEY_FILE and _CA_FILE"
+        )
+    return config

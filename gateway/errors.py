@@ -1,0 +1,82 @@
+"""OpenAI-style error bodies for every response the gateway itself generates.
+
+Clients written against OpenAI's API read ``error.message`` / ``error.type`` / ``error.code``;
+the same shape is used for plain JSON responses and for the SSE ``event: error`` frame sent on
+a stream that is already committed. Messages are fixed strings chosen here: they never echo
+request data (which could carry a key) back to the client.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+__all__ = ["REASONS", "GatewayError", "error_body", "sse_error_frame", "ERRORS"]
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayError:
+    """One kind of gateway-generated failure: HTTP status, OpenAI error type/code, message."""
+
+    status: int
+    type: str
+    code: str
+    message: str
+
+    @property
+    def status_line(self) -> str:
+        return f"{self.status} {REASONS[self.status]}"
+
+
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    413: "Payload Too Large",
+    429: "Too Many Requests",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+
+ERRORS: dict[str, GatewayError] = {
+    "unauthorized": GatewayError(
+        401, "invalid_request_error", "invalid_api_key", "Incorrect or missing API key."
+    ),
+    "not_found": GatewayError(404, "invalid_request_error", "not_found", "Unknown path."),
+    "bad_request": GatewayError(400, "invalid_request_error", "bad_request", "Malformed request."),
+    "too_large": GatewayError(
+        413, "invalid_request_error", "request_too_large", "Request body exceeds the gateway's limit."
+    ),
+    "queue_full": GatewayError(
+        429, "rate_limit_error", "queue_full", "The gateway's admission queue is full; retry later."
+    ),
+    "cold_reject": GatewayError(
+        503, "service_unavailable", "backend_activating",
+        "The model backend is starting; retry after the indicated delay.",
+    ),
+    "draining": GatewayError(
+        503, "service_unavailable", "gateway_draining", "The gateway is shutting down; retry elsewhere."
+    ),
+    "backend_failure": GatewayError(
+        502, "backend_error", "backend_failure", "The model backend failed while serving the request."
+    ),
+    "activation_timeout": GatewayError(
+        504, "activation_timeout", "activation_timeout",
+        "The model backend did not become ready before the activation timeout.",
+    ),
+}
+
+
+def error_body(error: GatewayError) -> bytes:
+    """The JSON body ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps(
+        {"error": {"message": error.message, "type": error.type, "param": None, "code": error.code}},
+        separators=(",", ":"),
+    ).encode()
+
+
+def sse_error_frame(error: GatewayError) -> bytes:
+    """An SSE ``event: error`` frame; the openai client raises ``APIError`` with the message."""
+    return b"event: error\ndata: " + error_body(error) + b"\n\n"

@@ -1,0 +1,125 @@
+"""Backend readiness as the gateway sees it, and the one shared prober that keeps it fresh.
+
+The gateway has no Kubernetes credentials: it learns readiness by asking the backend's readiness
+path. A single prober greenlet does that for everyone - never one probe per request - and only
+while something wants the backend (queued/in-flight requests or a running lease); an idle gateway
+sends nothing. Between probes, the forwarding path reports what it sees: a refused connection marks
+the backend cold at once (it scaled to zero), so the next request is admitted as a cold one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+__all__ = ["ProbeResult", "BackendReadiness", "ReadinessProber"]
+
+
+class ProbeResult(enum.Enum):
+    READY = "ready"  # readiness path answered 2xx
+    NOT_READY = "not_ready"  # answered non-2xx, timed out, or broke mid-answer
+    REFUSED = "refused"  # nothing listening (no endpoints): definitely cold
+
+
+class BackendReadiness:
+    """Ready or not, with hysteresis while warm.
+
+    Cold -> ready on the first good probe (waiters are served as soon as possible). Ready -> cold
+    at once on a refused connection, but only after ``warm_failure_threshold`` consecutive
+    NOT_READY probes, so one slow health answer under load does not hold every new request.
+    """
+
+    def __init__(self, warm_failure_threshold: int = 3) -> None:
+        if warm_failure_threshold < 1:
+            raise ValueError("warm_failure_threshold must be >= 1")
+        self.ready = False
+        self.changed_at: float | None = None
+        self._threshold = warm_failure_threshold
+        self._failures = 0
+
+    def record(self, result: ProbeResult, now: float) -> bool:
+        """Apply one observation; True when ``ready`` flipped."""
+        if result is ProbeResult.READY:
+            self._failures = 0
+            return self._set(True, now)
+        if result is ProbeResult.REFUSED:
+            self._failures = 0
+            return self._set(False, now)
+        self._failures += 1
+        if self.ready and self._failures < self._threshold:
+            return False
+        self._failures = 0
+        return self._set(False, now)
+
+    def _set(self, ready: bool, now: float) -> bool:
+        if ready == self.ready:
+            return False
+        self.ready = ready
+        self.changed_at = now
+        return True
+
+
+class ReadinessProber:
+    """Drives ``probe`` while ``wanted()``; parks (no timers, no traffic) otherwise.
+
+    ``step()`` is one probe + report and returns the delay before the next one, so tests can
+    run the loop by hand; ``run()`` is the greenlet body. ``kick()`` wakes a parked prober (called
+    on admissions); it never adds a probe to a prober that is already running.
+    """
+
+    def __init__(
+        self,
+        probe: Callable[[], ProbeResult],
+        report: Callable[[ProbeResult], None],
+        wanted: Callable[[], bool],
+        is_ready: Callable[[], bool],
+        *,
+        interval_cold: float,
+        interval_warm: float,
+    ) -> None:
+        if not 0 < interval_cold <= 0.2:
+            raise ValueError("interval_cold must be in (0, 0.2] seconds")
+        if interval_warm < interval_cold:
+            raise ValueError("interval_warm must be >= interval_cold")
+        self._probe = probe
+        self._report = report
+        self._wanted = wanted
+        self._is_ready = is_ready
+        self.interval_cold = interval_cold
+        self.interval_warm = interval_warm
+        self.probes_sent = 0
+        self._wake = None  # gevent.event.Event, created in the hub thread that runs the loop
+        self._stopped = False
+
+    def step(self) -> float | None:
+        """One probe if wanted; returns the next delay, or None when it should park."""
+        if self._stopped or not self._wanted():
+            return None
+        self.probes_sent += 1
+        result = self._probe()
+        self._report(result)
+        return self.interval_warm if self._is_ready() else self.interval_cold
+
+    def kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.kick()
+
+    def run(self) -> None:
+        import gevent
+        import gevent.event
+
+        self._wake = gevent.event.Event()
+        while not self._stopped:
+            delay = self.step()
+            if delay is not None:
+                # Fixed cadence while wanted: admissions do not trigger extra probes.
+                gevent.sleep(delay)
+                continue
+            self._wake.clear()
+            # Re-check after clear(): an admission between step() and clear() must not be lost.
+            if not self._stopped and not self._wanted():
+                self._wake.wait()

@@ -1,0 +1,69 @@
+"""Process-wide settings of the hook functions (image of the data-path programs, cluster domain, keys).
+
+The hooks are pure: everything that is not in the request comes from here, and a test injects its
+own `HookConfig` (fixed token key, fixed clock) to make every output reproducible.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+DEFAULT_IMAGE = "ghcr.io/noctaya/noctaya:0.1.0"
+
+# One random key per process when no key file is configured: tokens are still unguessable, and a
+# token, once written into the Secret child, is reused from the observed Secret on every later sync,
+# so the key only matters for the very first render. Set NOCTAYA_TOKEN_KEY_FILE when several hook
+# server replicas could race on that first render.
+_PROCESS_TOKEN_KEY = secrets.token_bytes(32)
+
+
+def utc_now_rfc3339() -> str:
+    """Current time as RFC 3339 in UTC with second precision (metav1.Time's wire format)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """Settings the pure hook functions read; build one with `from_env()` or directly in tests."""
+
+    image: str = field(default_factory=lambda: os.environ.get("NOCTAYA_IMAGE") or DEFAULT_IMAGE)
+    image_pull_policy: str = "IfNotPresent"
+    cluster_domain: str = "cluster.local"
+    token_key: bytes = field(default=_PROCESS_TOKEN_KEY, repr=False)
+    clock: Callable[[], str] = field(default=utc_now_rfc3339, compare=False)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> HookConfig:
+        """NOCTAYA_IMAGE, NOCTAYA_IMAGE_PULL_POLICY, NOCTAYA_CLUSTER_DOMAIN, NOCTAYA_TOKEN_KEY_FILE."""
+        env = os.environ if environ is None else environ
+        key = _PROCESS_TOKEN_KEY
+        key_file = env.get("NOCTAYA_TOKEN_KEY_FILE")
+        if key_file:
+            with open(key_file, "rb") as fh:
+                key = fh.read().strip()
+            if len(key) < 16:
+                raise ValueError("NOCTAYA_TOKEN_KEY_FILE must hold at least 16 bytes of key material")
+        policy = env.get("NOCTAYA_IMAGE_PULL_POLICY") or "IfNotPresent"
+        if policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError("NOCTAYA_IMAGE_PULL_POLICY must be Always, IfNotPresent or Never")
+        return cls(
+            image=env.get("NOCTAYA_IMAGE") or DEFAULT_IMAGE,
+            image_pull_policy=policy,
+            cluster_domain=(env.get("NOCTAYA_CLUSTER_DOMAIN") or "cluster.local").strip("."),
+            token_key=key,
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def default_config() -> HookConfig:
+    """The configuration used when an entry point is called without one (read once per process)."""
+    return HookConfig.from_env()
+
+
+def resolve(config: HookConfig | None) -> HookConfig:
+    return default_config() if config is None else config

@@ -1,0 +1,1 @@
+"""Resource layer: one pure builder per child kind, each returning a plain Kubernetes dict."""

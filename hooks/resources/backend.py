@@ -1,0 +1,54 @@
+"""Backend (serving) Deployment and Service.
+
+The Deployment never sets `spec.replicas`: KEDA owns it. Metacontroller applies children with a
+3-way merge on its last-applied annotation, so a field the hook never returned stays as KEDA set it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hooks.resources import labels, names
+from hooks.resources.context import RenderContext
+from hooks.runtime import pod
+
+# The default 600 s deadline is shorter than a cold start that pulls an image and loads a model.
+MIN_PROGRESS_DEADLINE_SECONDS = 600
+PROGRESS_DEADLINE_MARGIN_SECONDS = 300
+
+
+def deployment(ctx: RenderContext, cache: pod.CacheMount) -> dict[str, Any]:
+    template = pod.pod_template(ctx.service, ctx.runtime, labels.labels(ctx.name, labels.BACKEND), cache)
+    deadline = max(MIN_PROGRESS_DEADLINE_SECONDS, pod.startup_budget_seconds(ctx.runtime) + PROGRESS_DEADLINE_MARGIN_SECONDS)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": ctx.metadata(names.backend(ctx.name), labels.BACKEND),
+        "spec": {
+            "selector": {"matchLabels": labels.selector(ctx.name, labels.BACKEND)},
+            "progressDeadlineSeconds": deadline,
+            "revisionHistoryLimit": 3,
+            "template": template,
+        },
+    }
+
+
+def service(ctx: RenderContext) -> dict[str, Any]:
+    spec = ctx.runtime.spec
+    ports = [{"name": pod.PORT_NAME, "port": spec.port, "targetPort": pod.PORT_NAME, "protocol": "TCP"}]
+    if spec.metrics is not None and spec.metrics.port is not None and spec.metrics.port != spec.port:
+        ports.append({"name": pod.METRICS_PORT_NAME, "port": spec.metrics.port, "targetPort": pod.METRICS_PORT_NAME, "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.metadata(names.backend(ctx.name), labels.BACKEND),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels.selector(ctx.name, labels.BACKEND),
+            "ports": ports,
+        },
+    }
+
+
+def url(ctx: RenderContext) -> str:
+    return f"http://{ctx.host(names.backend(ctx.name))}:{ctx.runtime.spec.port}"

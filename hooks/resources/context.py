@@ -1,0 +1,61 @@
+"""What every builder reads: the parsed LLMService, its resolved runtime, namespace and config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hooks.api.common import duration_seconds
+from hooks.api.llmservice import LLMService
+from hooks.api.runtime import InferenceRuntime
+from hooks.config import HookConfig
+from hooks.resources import labels, names
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    service: LLMService
+    runtime: InferenceRuntime
+    namespace: str
+    config: HookConfig
+    uid: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.service.metadata.name
+
+    @property
+    def multi_gateway(self) -> bool:
+        return self.service.spec.endpoint.replicas > 1
+
+    def host(self, service_name: str) -> str:
+        return names.service_host(service_name, self.namespace, self.config.cluster_domain)
+
+    def metadata(self, name: str, component: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name, "namespace": self.namespace, "labels": labels.labels(self.name, component)}
+        if annotations:
+            meta["annotations"] = dict(sorted(annotations.items()))
+        return meta
+
+    def seconds(self, duration: str) -> int:
+        return int(duration_seconds(duration))
+
+    @property
+    def scaler_address(self) -> str:
+        """host:port KEDA dials for the external-push trigger (the internal scaler Service)."""
+        return f"{self.host(names.scaler(self.name))}:{SCALER_GRPC_PORT}"
+
+    @property
+    def endpoint_url(self) -> str:
+        return endpoint_url(self.name, self.namespace, self.config)
+
+
+SCALER_GRPC_PORT = 9090
+REPORT_PORT = 9091
+GATEWAY_PORT = 8080
+PUBLIC_PORT = 80
+METRIC_NAME = "noctaya-demand"
+
+
+def endpoint_url(service: str, namespace: str, config: HookConfig) -> str:
+    return f"http://{names.service_host(names.public_service(service), namespace, config.cluster_domain)}/v1"

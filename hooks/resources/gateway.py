@@ -1,0 +1,232 @@
+"""Gateway Deployment (the always-on OpenAI-compatible front door) and its public Service.
+
+Its env is the contract of docs/architecture.md "Gateway configuration", read by `gateway.config`.
+The gateway pod is hardened: restricted security context, read-only root, no service-account token
+(it has no Kubernetes credentials: it learns readiness by probing the backend Service).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hooks.resources import backend, labels, names
+from hooks.resources.context import GATEWAY_PORT, METRIC_NAME, PUBLIC_PORT, REPORT_PORT, SCALER_GRPC_PORT, RenderContext
+from hooks.runtime import pod
+
+CONTAINER_NAME = "gateway"
+READY_GRACE_SECONDS = 15
+QUEUE_FULL_RETRY_AFTER_SECONDS = 5
+HEARTBEAT_SECONDS = 10
+DRAIN_GRACE_SECONDS = 30
+MAX_BODY_BYTES = 8 * 1024 * 1024
+# Kubernetes waits this long after SIGTERM: the gateway's own drain grace plus a margin.
+GATEWAY_TERMINATION_GRACE_SECONDS = DRAIN_GRACE_SECONDS + 10
+
+DEFAULT_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
+DEFAULT_LIMITS = {"memory": "512Mi"}
+RUN_AS = 65532  # an unprivileged uid/gid; the image runs as any non-root user
+
+AUTH_DIR = "/var/run/noctaya/auth"
+AUTH_FILE = "api-key"
+TOKEN_DIR = "/var/run/noctaya/scaler-token"
+TOKEN_KEY = "token"
+TLS_DIR = "/var/run/noctaya/scaler-tls"
+
+
+def _env(name: str, value: str | int) -> dict[str, str]:
+    return {"name": name, "value": str(value)}
+
+
+def restricted_container_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def restricted_pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": GATEWAY_TERMINATION_GRACE_SECONDS,
+        "containers": containers,
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}, *volumes],
+    }
+
+
+def resources(ctx: RenderContext) -> dict[str, Any]:
+    given = ctx.service.spec.endpoint.resources
+    requests = {**DEFAULT_REQUESTS, **(given.requests if given else {})}
+    limits = {**DEFAULT_LIMITS, **(given.limits if given else {})}
+    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
+
+
+def tls_env() -> list[dict[str, str]]:
+    return [
+        _env("NOCTAYA_SCALER_TLS_CERT_FILE", f"{TLS_DIR}/tls.crt"),
+        _env("NOCTAYA_SCALER_TLS_KEY_FILE", f"{TLS_DIR}/tls.key"),
+        _env("NOCTAYA_SCALER_TLS_CA_FILE", f"{TLS_DIR}/ca.crt"),
+    ]
+
+
+def tls_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    tls = ctx.service.spec.scaler_tls
+    assert tls is not None
+    return (
+        {"name": "scaler-tls", "secret": {"secretName": tls.secret_name, "defaultMode": 0o440}},
+        {"name": "scaler-tls", "mountPath": TLS_DIR, "readOnly": True},
+    )
+
+
+def token_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    return (
+        {
+            "name": "scaler-token",
+            "secret": {
+                "secretName": names.scaler_token(ctx.name),
+                "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+                "defaultMode": 0o440,
+            },
+        },
+        {"name": "scaler-token", "mountPath": TOKEN_DIR, "readOnly": True},
+    )
+
+
+def env(ctx: RenderContext) -> list[dict[str, str]]:
+    spec = ctx.service.spec
+    ep = spec.endpoint
+    out = [
+        _env("NOCTAYA_LISTEN_PORT", GATEWAY_PORT),
+        _env("NOCTAYA_BACKEND_URL", backend.url(ctx)),
+        _env("NOCTAYA_READINESS_PATH", pod.readiness_path(ctx.runtime)),
+        _env("NOCTAYA_SERVED_MODEL_NAME", ctx.service.served_name),
+        _env("NOCTAYA_MAX_QUEUE", ep.max_queue),
+        _env("NOCTAYA_COLD_MODE", ep.cold_request_mode),
+        _env("NOCTAYA_ACTIVATION_TIMEOUT_SECONDS", ctx.seconds(spec.scaling.activation_timeout)),
+        _env("NOCTAYA_READY_GRACE_SECONDS", READY_GRACE_SECONDS),
+        _env("NOCTAYA_QUEUE_FULL_RETRY_AFTER_SECONDS", QUEUE_FULL_RETRY_AFTER_SECONDS),
+        _env("NOCTAYA_RETRY_AFTER_SECONDS", ep.retry_after_seconds),
+        _env("NOCTAYA_HEARTBEAT_SECONDS", HEARTBEAT_SECONDS),
+        _env("NOCTAYA_DRAIN_GRACE_SECONDS", DRAIN_GRACE_SECONDS),
+        _env("NOCTAYA_MAX_BODY_BYTES", MAX_BODY_BYTES),
+    ]
+    if ep.auth is not None:
+        out.append(_env("NOCTAYA_AUTH_KEY_FILE", f"{AUTH_DIR}/{AUTH_FILE}"))
+    out.append(_env("NOCTAYA_SCALING_TARGET", spec.scaling.target_per_replica))
+    out.append(_env("NOCTAYA_METRIC_NAME", METRIC_NAME))
+    if ctx.multi_gateway:
+        out.append(_env("NOCTAYA_SCALER_MODE", "report"))
+        out.append(_env("NOCTAYA_AGGREGATOR_URL", f"http://{ctx.host(names.aggregator(ctx.name))}:{REPORT_PORT}/v1/report"))
+        out.append(_env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{TOKEN_DIR}/{TOKEN_KEY}"))
+    else:
+        out.append(_env("NOCTAYA_SCALER_MODE", "local"))
+        out.append(_env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT))
+        if spec.scaler_tls is not None:
+            out.extend(tls_env())
+    return out
+
+
+def _anti_affinity(ctx: RenderContext) -> dict[str, Any]:
+    return {
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {"matchLabels": labels.selector(ctx.name, labels.GATEWAY)},
+                    },
+                }
+            ]
+        }
+    }
+
+
+def http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
+
+
+def deployment(ctx: RenderContext) -> dict[str, Any]:
+    ep = ctx.service.spec.endpoint
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if ep.auth is not None:
+        ref = ep.auth.secret_ref
+        volumes.append(
+            {
+                "name": "auth",
+                "secret": {
+                    "secretName": ref.name,
+                    "items": [{"key": ref.key or "api-key", "path": AUTH_FILE}],
+                    "defaultMode": 0o440,
+                },
+            }
+        )
+        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
+    ports = [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}]
+    if ctx.multi_gateway:
+        vol, mount = token_volume(ctx)
+        volumes.append(vol)
+        mounts.append(mount)
+    else:
+        ports.append({"name": "grpc", "containerPort": SCALER_GRPC_PORT, "protocol": "TCP"})
+        if ctx.service.spec.scaler_tls is not None:
+            vol, mount = tls_volume(ctx)
+            volumes.append(vol)
+            mounts.append(mount)
+    container = {
+        "name": CONTAINER_NAME,
+        "image": ctx.config.image,
+        "imagePullPolicy": ctx.config.image_pull_policy,
+        "command": ["python", "-m", "gateway"],
+        "env": [*env(ctx), _env("PYTHONDONTWRITEBYTECODE", 1), _env("PYTHONUNBUFFERED", 1)],
+        "ports": ports,
+        "resources": resources(ctx),
+        "securityContext": restricted_container_security(),
+        "readinessProbe": http_probe("/healthz", "http", 5, 2),
+        "livenessProbe": http_probe("/healthz", "http", 10, 6),
+        "volumeMounts": mounts,
+    }
+    pod_spec = restricted_pod_spec([container], volumes)
+    if ctx.multi_gateway:
+        pod_spec["affinity"] = _anti_affinity(ctx)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": ctx.metadata(names.gateway(ctx.name), labels.GATEWAY),
+        "spec": {
+            "replicas": ep.replicas,
+            "selector": {"matchLabels": labels.selector(ctx.name, labels.GATEWAY)},
+            "revisionHistoryLimit": 3,
+            "template": {"metadata": {"labels": labels.labels(ctx.name, labels.GATEWAY)}, "spec": pod_spec},
+        },
+    }
+
+
+def public_service(ctx: RenderContext) -> dict[str, Any]:
+    svc = ctx.service.spec.endpoint.service
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.metadata(names.public_service(ctx.name), labels.GATEWAY, svc.annotations),
+        "spec": {
+            "type": svc.type,
+            "selector": labels.selector(ctx.name, labels.GATEWAY),
+            # Only HTTP (OpenAI API and /metrics): the gRPC scaler is never exposed here.
+            "ports": [{"name": "http", "port": PUBLIC_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

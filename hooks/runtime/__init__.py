@@ -1,0 +1,1 @@
+"""Runtime layer: choose an InferenceRuntime and turn it into a vendor-neutral serving Pod."""

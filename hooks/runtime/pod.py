@@ -1,0 +1,235 @@
+"""The vendor-neutral serving Pod rendered from an InferenceRuntime plus one LLMService.
+
+Model facts reach the engine through container env and Kubernetes' own `$(VAR)` expansion in
+command/args (`--model $(NOCTAYA_MODEL_PATH)`), so runtimes need no template language. The NOCTAYA_*
+variables come first in `env`, because Kubernetes expands `$(VAR)` only from variables defined
+earlier in the list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hooks.api.common import EnvVar
+from hooks.api.llmservice import LLMService
+from hooks.api.runtime import InferenceRuntime, Probe
+from hooks.runtime import scheduling, vendors
+
+CONTAINER_NAME = "engine"
+PORT_NAME = "http"
+METRICS_PORT_NAME = "metrics"
+CACHE_VOLUME = "model-cache"
+MODEL_VOLUME = "model"
+SHM_VOLUME = "dshm"
+
+# Startup probe when the runtime gives none: 10 s × 60 = ten minutes to pull weights and load.
+DEFAULT_STARTUP = Probe(path="/health", period_seconds=10, timeout_seconds=5, failure_threshold=60)
+DEFAULT_READINESS = Probe(path="/health", period_seconds=5, timeout_seconds=5, failure_threshold=3)
+DEFAULT_LIVENESS = Probe(path="/health", period_seconds=10, timeout_seconds=5, failure_threshold=6)
+
+
+@dataclass(frozen=True)
+class CacheMount:
+    """The cache volume chosen by the cache strategy (emptyDir, hostPath or a claim)."""
+
+    volume: dict[str, Any]
+    read_only: bool = False
+
+
+def readiness_path(runtime: InferenceRuntime) -> str:
+    return (runtime.spec.probes.readiness or DEFAULT_READINESS).path
+
+
+def startup_budget_seconds(runtime: InferenceRuntime) -> int:
+    """How long the startup probe lets a replica load before Kubernetes restarts it."""
+    p = runtime.spec.probes.startup or DEFAULT_STARTUP
+    return p.initial_delay_seconds + p.period_seconds * p.failure_threshold
+
+
+def model_path(service: LLMService, runtime: InferenceRuntime) -> str:
+    """What the engine loads: a hub id (downloaded into HF_HOME / MODELSCOPE_CACHE) or a directory."""
+    source = service.spec.model.parsed
+    if source.scheme == "pvc":
+        return runtime.spec.model_mount_path
+    if source.scheme == "oci":
+        digest = (source.digest or "").split(":", 1)[-1]
+        return f"{runtime.spec.cache_mount_path}/oci/{digest[:16]}"
+    return source.location
+
+
+def model_revision(service: LLMService) -> str:
+    source = service.spec.model.parsed
+    if service.spec.model.revision:
+        return service.spec.model.revision
+    if source.scheme == "hf":
+        return "main"
+    if source.scheme == "modelscope":
+        return "master"
+    return ""
+
+
+def _env(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _merge_env(*groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Later groups override earlier ones by name, keeping the first position (so `$(VAR)` order holds)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for group in groups:
+        for var in group:
+            merged[var["name"]] = var
+    return list(merged.values())
+
+
+def _wire_env(env: list[EnvVar]) -> list[dict[str, Any]]:
+    return [e.wire() for e in env]
+
+
+def _probe(p: Probe) -> dict[str, Any]:
+    probe: dict[str, Any] = {
+        "httpGet": {"path": p.path, "port": PORT_NAME},
+        "periodSeconds": p.period_seconds,
+        "timeoutSeconds": p.timeout_seconds,
+        "failureThreshold": p.failure_threshold,
+    }
+    if p.initial_delay_seconds:
+        probe["initialDelaySeconds"] = p.initial_delay_seconds
+    return probe
+
+
+def _credentials_env(service: LLMService) -> list[dict[str, Any]]:
+    """Hub tokens projected from the Secret: never in args, status or logs."""
+    cred = service.spec.model.credentials_secret
+    source = service.spec.model.parsed
+    if cred is None or not source.is_hub:
+        return []
+    var = "HF_TOKEN" if source.scheme == "hf" else "MODELSCOPE_API_TOKEN"
+    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}}]
+
+
+def engine_env(service: LLMService, runtime: InferenceRuntime) -> list[dict[str, Any]]:
+    spec = runtime.spec
+    cache = spec.cache_mount_path
+    noctaya = [
+        _env("NOCTAYA_MODEL_PATH", model_path(service, runtime)),
+        _env("NOCTAYA_SERVED_NAME", service.served_name),
+        _env("NOCTAYA_PORT", str(spec.port)),
+        _env("NOCTAYA_ACCELERATORS", str(service.spec.resources.accelerators)),
+        _env("NOCTAYA_MODEL_REVISION", model_revision(service)),
+        _env("HF_HOME", f"{cache}/huggingface"),
+        _env("MODELSCOPE_CACHE", f"{cache}/modelscope"),
+    ]
+    if service.spec.model.parsed.scheme == "modelscope" and spec.engine == "vllm":
+        noctaya.append(_env("VLLM_USE_MODELSCOPE", "True"))
+    place = vendors.placement(spec.accelerator, service.spec.resources.accelerators)
+    return _merge_env(
+        noctaya,
+        place.env,
+        _credentials_env(service),
+        _wire_env(spec.env),
+        _wire_env(service.spec.runtime.env),
+    )
+
+
+def _resources(service: LLMService, runtime: InferenceRuntime) -> dict[str, Any]:
+    res = service.spec.resources
+    place = vendors.placement(runtime.spec.accelerator, res.accelerators)
+    hints = scheduling.hints(runtime.spec.scheduling, res.accelerators)
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {**res.limits}
+    if res.cpu is not None:
+        requests["cpu"] = res.cpu
+    if res.memory is not None:
+        requests["memory"] = res.memory
+        limits["memory"] = res.memory
+    # Extended resources are limits only; Kubernetes defaults their request to the limit.
+    limits.update(place.limits)
+    limits.update(hints.limits)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    return out
+
+
+def pod_template(
+    service: LLMService,
+    runtime: InferenceRuntime,
+    pod_labels: dict[str, str],
+    cache: CacheMount,
+) -> dict[str, Any]:
+    """metadata + spec of the backend Pod template."""
+    spec = runtime.spec
+    res = service.spec.resources
+    place = vendors.placement(spec.accelerator, res.accelerators)
+    hints = scheduling.hints(spec.scheduling, res.accelerators)
+    source = service.spec.model.parsed
+
+    ports = [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}]
+    if spec.metrics is not None and spec.metrics.port is not None and spec.metrics.port != spec.port:
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.metrics.port, "protocol": "TCP"})
+
+    mounts: list[dict[str, Any]] = [
+        {"name": CACHE_VOLUME, "mountPath": spec.cache_mount_path, **({"readOnly": True} if cache.read_only else {})}
+    ]
+    volumes: list[dict[str, Any]] = [{"name": CACHE_VOLUME, **cache.volume}]
+    if source.scheme == "pvc":
+        mount = {"name": MODEL_VOLUME, "mountPath": spec.model_mount_path, "readOnly": True}
+        if source.sub_path:
+            mount["subPath"] = source.sub_path
+        mounts.append(mount)
+        volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": source.location, "readOnly": True}})
+    if spec.shm_size is not None:
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
+
+    container: dict[str, Any] = {"name": CONTAINER_NAME, "image": spec.image}
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    if spec.command:
+        container["command"] = list(spec.command)
+    args = [*spec.args, *service.spec.runtime.args]
+    if args:
+        container["args"] = args
+    container["env"] = engine_env(service, runtime)
+    container["ports"] = ports
+    resources = _resources(service, runtime)
+    if resources:
+        container["resources"] = resources
+    container["volumeMounts"] = mounts
+    container["startupProbe"] = _probe(spec.probes.startup or DEFAULT_STARTUP)
+    container["readinessProbe"] = _probe(spec.probes.readiness or DEFAULT_READINESS)
+    container["livenessProbe"] = _probe(spec.probes.liveness or DEFAULT_LIVENESS)
+    drain = spec.lifecycle.drain_seconds
+    if drain > 0:
+        # The Service stops routing to a terminating Pod at once; the sleep keeps the engine alive
+        # for in-flight requests before SIGTERM. The `sleep` action needs no shell in the image
+        # (GA since Kubernetes 1.34, on by default since 1.30).
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": drain}}}
+
+    pod_spec: dict[str, Any] = {
+        # The engine needs no Kubernetes API, and Service-link env (e.g. VLLM_PORT from a Service
+        # named vllm) is known to break engines that read their own env prefix.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.lifecycle.grace_seconds,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if place.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(place.node_selector.items()))
+    if place.tolerations:
+        pod_spec["tolerations"] = place.tolerations
+    if place.runtime_class_name:
+        pod_spec["runtimeClassName"] = place.runtime_class_name
+    if hints.scheduler_name:
+        pod_spec["schedulerName"] = hints.scheduler_name
+    if hints.priority_class_name:
+        pod_spec["priorityClassName"] = hints.priority_class_name
+
+    metadata: dict[str, Any] = {"labels": dict(pod_labels)}
+    if hints.annotations:
+        metadata["annotations"] = dict(sorted(hints.annotations.items()))
+    return {"metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,5 @@
+"""CPU only: no extended resource, no toleration."""
+
+from hooks.runtime.vendors.base import VendorAdapter
+
+ADAPTER = VendorAdapter(vendor="none", resource_name=None)

@@ -1,0 +1,1 @@
+"""Noctaya's KEDA ExternalScaler: demand broadcasting, the gRPC servicer, the aggregate scaler."""

@@ -1,0 +1,118 @@
+"""``python -m scaler aggregate`` (aggregate scaler: HTTP reports + gRPC ExternalScaler) and
+``python -m scaler gen-proto`` (regenerate the committed gRPC stubs)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be an integer") from None
+
+
+def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be a number") from None
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="python -m scaler", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    agg = sub.add_parser("aggregate", help="run the aggregate scaler (HTTP 9091 reports, gRPC 9090)",
+                         description="Every flag defaults to its NOCTAYA_* environment variable.")
+    agg.add_argument("--host", default="0.0.0.0", help="bind address of both servers")
+    agg.add_argument("--report-port", type=int, default=_env_int(env, "NOCTAYA_REPORT_PORT", 9091))
+    agg.add_argument("--scaler-port", type=int, default=_env_int(env, "NOCTAYA_SCALER_PORT", 9090))
+    agg.add_argument("--aggregator-token-file", default=env.get("NOCTAYA_AGGREGATOR_TOKEN_FILE", ""))
+    agg.add_argument("--max-members", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBERS", 64))
+    agg.add_argument("--max-member-demand", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBER_DEMAND", 100))
+    agg.add_argument("--member-ttl-seconds", type=float,
+                     default=_env_float(env, "NOCTAYA_MEMBER_TTL_SECONDS", 10.0))
+    agg.add_argument("--max-concurrent-reports", type=int,
+                     default=_env_int(env, "NOCTAYA_MAX_CONCURRENT_REPORTS", 16))
+    agg.add_argument("--scaling-target", type=int, default=_env_int(env, "NOCTAYA_SCALING_TARGET", 10))
+    agg.add_argument("--metric-name", default=env.get("NOCTAYA_METRIC_NAME", "noctaya-demand"))
+    agg.add_argument("--scaler-tls-cert-file", default=env.get("NOCTAYA_SCALER_TLS_CERT_FILE", ""))
+    agg.add_argument("--scaler-tls-key-file", default=env.get("NOCTAYA_SCALER_TLS_KEY_FILE", ""))
+    agg.add_argument("--scaler-tls-ca-file", default=env.get("NOCTAYA_SCALER_TLS_CA_FILE", ""))
+    agg.add_argument("--drain-grace-seconds", type=float,
+                     default=_env_float(env, "NOCTAYA_DRAIN_GRACE_SECONDS", 5.0),
+                     help="grace for in-flight gRPC calls on SIGTERM (streams end with OK at once)")
+
+    sub.add_parser("gen-proto", help="regenerate scaler/externalscaler_pb2*.py from proto/")
+    return parser
+
+
+def _aggregate(args: argparse.Namespace) -> int:
+    from scaler.aggregator import Aggregator, AggregatorSettings
+    from scaler.demand import DemandBroadcaster
+    from scaler.service import ScalerSettings, start_scaler_server
+    from scaler.tls import tls_files_from_env
+
+    try:
+        settings = AggregatorSettings(
+            token_file=args.aggregator_token_file, max_members=args.max_members,
+            max_member_demand=args.max_member_demand, member_ttl=args.member_ttl_seconds,
+            max_concurrent_reports=args.max_concurrent_reports,
+        )
+        scaler_settings = ScalerSettings(metric_name=args.metric_name, target=args.scaling_target)
+        tls = tls_files_from_env({
+            "NOCTAYA_SCALER_TLS_CERT_FILE": args.scaler_tls_cert_file,
+            "NOCTAYA_SCALER_TLS_KEY_FILE": args.scaler_tls_key_file,
+            "NOCTAYA_SCALER_TLS_CA_FILE": args.scaler_tls_ca_file,
+        })
+    except ValueError as exc:
+        print(f"scaler: {exc}", file=sys.stderr)
+        return 2
+
+    broadcaster = DemandBroadcaster()
+    aggregator = Aggregator(settings, broadcaster)
+    scaler = start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=scaler_settings)
+    aggregator.start(args.host, args.report_port)
+    print(f"aggregate scaler: reports on {args.host}:{aggregator.port}, gRPC on {args.host}:{scaler.port}",
+          file=sys.stderr, flush=True)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    scaler.stop(args.drain_grace_seconds)
+    aggregator.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("NOCTAYA_LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.command == "gen-proto":
+        from scaler.gen_proto import main as gen_main
+
+        return gen_main()
+    return _aggregate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

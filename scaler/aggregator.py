@@ -1,0 +1,411 @@
+"""Aggregate scaler: gateways of one LLMService report their demand here; the sum feeds the gRPC
+ExternalScaler (SPEC §7, report protocol in docs/architecture.md).
+
+Everything is bounded: concurrent connections, concurrent reports (429 beyond), body size (413),
+member count (429 for a new member beyond), per-member demand (clamped), tombstones of withdrawn
+members. State is memory only; after a restart the gateways' 2 s heartbeats rebuild it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from scaler.demand import Demand, DemandBroadcaster
+
+__all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "read_token_file"]
+
+log = logging.getLogger("noctaya.scaler.aggregator")
+
+MAX_TOKEN_FILE_BYTES = 4096
+_MEMBER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_MAX_SEQ = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatorSettings:
+    token_file: str
+    max_members: int = 64
+    max_member_demand: int = 100  # = the gateway's maxQueue, which counts waiting and in-flight
+    member_ttl: float = 10.0
+    max_concurrent_reports: int = 16
+    max_body_bytes: int = 64 * 1024
+    max_connections: int = 256
+    socket_timeout: float = 10.0  # slow or idle keep-alive clients release their thread after this
+
+    def __post_init__(self) -> None:
+        if not self.token_file:
+            raise ValueError("the aggregator needs a token file (NOCTAYA_AGGREGATOR_TOKEN_FILE)")
+        for name in ("max_members", "max_member_demand", "max_concurrent_reports", "max_body_bytes",
+                     "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.member_ttl <= 0 or self.socket_timeout <= 0:
+            raise ValueError("member_ttl and socket_timeout must be > 0")
+
+
+class ReportError(ValueError):
+    """A malformed report (HTTP 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    member: str
+    seq: int
+    queued: int
+    in_flight: int
+    lease_active: bool
+    withdraw: bool
+
+    @classmethod
+    def from_json(cls, data: Any) -> Report:
+        if not isinstance(data, dict):
+            raise ReportError("report must be a JSON object")
+        member = data.get("member")
+        if not isinstance(member, str) or not _MEMBER_RE.match(member):
+            raise ReportError("member must be 1-128 characters of [A-Za-z0-9._:-]")
+
+        def count(key: str) -> int:
+            value = data.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SEQ:
+                raise ReportError(f"{key} must be a non-negative integer")
+            return value
+
+        def flag(key: str) -> bool:
+            value = data.get(key, False)
+            if not isinstance(value, bool):
+                raise ReportError(f"{key} must be a boolean")
+            return value
+
+        if "seq" not in data:
+            raise ReportError("seq is required")
+        return cls(member, count("seq"), count("queued"), count("inFlight"), flag("leaseActive"), flag("withdraw"))
+
+
+@dataclass(slots=True)
+class _Member:
+    seq: int
+    demand: Demand
+    seen_at: float
+
+
+class MemberTable:
+    """The newest report of each member; not thread-safe (the Aggregator holds a lock around it)."""
+
+    def __init__(self, settings: AggregatorSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._members: dict[str, _Member] = {}
+        # Withdrawn members keep their last seq for one TTL, so a delayed older report can't
+        # resurrect them. Bounded like members.
+        self._tombstones: dict[str, tuple[int, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def clamp(self, queued: int, in_flight: int) -> tuple[int, int]:
+        limit = self._settings.max_member_demand
+        queued = min(queued, limit)
+        return queued, min(in_flight, limit - queued)
+
+    def apply(self, report: Report) -> str:
+        """Returns 'accepted', 'stale', 'withdrawn' or 'full' (new member over the cap)."""
+        now = self._clock()
+        self.expire(now)
+        current = self._members.get(report.member)
+        tomb = self._tombstones.get(report.member)
+        last_seq = current.seq if current else (tomb[0] if tomb else None)
+        if last_seq is not None and report.seq <= last_seq:
+            return "stale"
+        if report.withdraw:
+            self._members.pop(report.member, None)
+            if len(self._tombstones) >= self._settings.max_members:
+                self._tombstones.pop(next(iter(self._tombstones)))  # oldest first (insertion order)
+            self._tombstones[report.member] = (report.seq, now)
+            return "withdrawn"
+        if current is None and len(self._members) >= self._settings.max_members:
+            return "full"
+        self._tombstones.pop(report.member, None)
+        queued, in_flight = self.clamp(report.queued, report.in_flight)
+        self._members[report.member] = _Member(report.seq, Demand(queued, in_flight, report.lease_active), now)
+        return "accepted"
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop members silent for longer than the TTL; returns how many."""
+        now = self._clock() if now is None else now
+        ttl = self._settings.member_ttl
+        silent = [m for m, entry in self._members.items() if now - entry.seen_at > ttl]
+        for member in silent:
+            del self._members[member]
+        for member in [m for m, (_, at) in self._tombstones.items() if now - at > ttl]:
+            del self._tombstones[member]
+        return len(silent)
+
+    def total(self) -> Demand:
+        queued = sum(m.demand.queued for m in self._members.values())
+        in_flight = sum(m.demand.in_flight for m in self._members.values())
+        return Demand(queued, in_flight, any(m.demand.lease_active for m in self._members.values()))
+
+
+def read_token_file(path: str) -> bytes | None:
+    """The token (stripped), or None when the file is missing, empty or oversized."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError:
+        return None
+    token = data.strip()
+    if not token or len(data) > MAX_TOKEN_FILE_BYTES:
+        return None
+    return token
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.reports = Counter("noctaya_aggregator_reports", "Demand reports by outcome", ["outcome"],
+                               registry=registry)
+        self.members = Gauge("noctaya_aggregator_members", "Gateways currently reporting", registry=registry)
+        self.queued = Gauge("noctaya_aggregator_queued", "Sum of queued requests", registry=registry)
+        self.in_flight = Gauge("noctaya_aggregator_in_flight", "Sum of in-flight requests", registry=registry)
+        self.lease = Gauge("noctaya_aggregator_lease_active", "1 when any gateway holds a lease",
+                           registry=registry)
+        self.expired = Counter("noctaya_aggregator_members_expired", "Members dropped after the TTL",
+                               registry=registry)
+
+
+class Aggregator:
+    """Member table + broadcaster + the HTTP report server (``start``/``stop``)."""
+
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        broadcaster: DemandBroadcaster,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.broadcaster = broadcaster
+        self.registry = registry or CollectorRegistry()
+        self._metrics = _Metrics(self.registry)
+        self._table = MemberTable(settings, clock)
+        self._lock = threading.Lock()
+        self._report_slots = threading.BoundedSemaphore(settings.max_concurrent_reports)
+        self._stop = threading.Event()
+        self._httpd: _BoundedHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _publish_locked(self) -> None:
+        total = self._table.total()
+        self._metrics.members.set(len(self._table))
+        self._metrics.queued.set(total.queued)
+        self._metrics.in_flight.set(total.in_flight)
+        self._metrics.lease.set(1 if total.lease_active else 0)
+        self.broadcaster.publish(total)
+
+    def apply(self, report: Report) -> str:
+        with self._lock:
+            outcome = self._table.apply(report)
+            self._publish_locked()
+        self._metrics.reports.labels(outcome).inc()
+        return outcome
+
+    def expire(self) -> int:
+        with self._lock:
+            dropped = self._table.expire()
+            if dropped:
+                self._publish_locked()
+        if dropped:
+            self._metrics.expired.inc(dropped)
+            log.info("expired %d silent member(s)", dropped)
+        return dropped
+
+    @property
+    def member_count(self) -> int:
+        with self._lock:
+            return len(self._table)
+
+    def try_begin_report(self) -> bool:
+        return self._report_slots.acquire(blocking=False)
+
+    def end_report(self) -> None:
+        self._report_slots.release()
+
+    def token_matches(self, header: str | None) -> bool:
+        expected = read_token_file(self.settings.token_file)
+        if expected is None or not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[len("Bearer "):].strip().encode("utf-8", "replace"), expected)
+
+    def metrics_text(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- serving --------------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "not started"
+        return self._httpd.server_address[1]
+
+    def start(self, host: str = "0.0.0.0", port: int = 9091) -> None:
+        self._httpd = _BoundedHTTPServer((host, port), _ReportHandler, self)
+        serve = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                 name="aggregator-http", daemon=True)
+        expiry = threading.Thread(target=self._expiry_loop, name="aggregator-expiry", daemon=True)
+        self._threads = [serve, expiry]
+        for thread in self._threads:
+            thread.start()
+        log.info("aggregator listening on %s:%d", host, self.port)
+
+    def _expiry_loop(self) -> None:
+        interval = min(1.0, self.settings.member_ttl / 4)
+        while not self._stop.wait(interval):
+            try:
+                self.expire()
+            except Exception:  # keep expiring; a bug here must not freeze the demand forever
+                log.exception("member expiry failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        for thread in self._threads:
+            thread.join(5)
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a cap on live connections (one thread each): beyond it a
+    connection gets a canned 503 and is closed, so a flood can't spawn unbounded threads."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], aggregator: Aggregator):
+        self.aggregator = aggregator
+        self._connections = threading.BoundedSemaphore(aggregator.settings.max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._connections.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._connections.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._connections.release()
+
+
+class _ReportHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _BoundedHTTPServer
+    server_version = "noctaya-aggregator"
+    sys_version = ""
+
+    def setup(self) -> None:
+        self.timeout = self.server.aggregator.settings.socket_timeout
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _send(self, code: int, body: dict[str, Any] | bytes, content_type: str = "application/json",
+              headers: dict[str, str] | None = None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: int, message: str, *, close: bool = False, **headers: str) -> None:
+        if close:
+            self.close_connection = True
+            headers["Connection"] = "close"
+        self._send(code, {"error": {"message": message, "code": code}}, headers=headers)
+
+    def do_GET(self) -> None:
+        aggregator = self.server.aggregator
+        if self.path == "/healthz":
+            self._send(200, {"status": "ok", "members": aggregator.member_count})
+        elif self.path == "/metrics":
+            self._send(200, aggregator.metrics_text(), CONTENT_TYPE_LATEST)
+        else:
+            self._error(404, "not found")
+
+    def do_POST(self) -> None:
+        aggregator = self.server.aggregator
+        if self.path != "/v1/report":
+            self._error(404, "not found", close=True)
+            return
+        # Headers only so far: refuse before reading a byte of body.
+        if not aggregator.token_matches(self.headers.get("Authorization")):
+            aggregator._metrics.reports.labels("unauthorized").inc()
+            self._error(401, "invalid or missing bearer token", close=True)
+            return
+        if self.headers.get("Transfer-Encoding"):
+            self._error(411, "Content-Length required", close=True)
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._error(411, "Content-Length required", close=True)
+            return
+        if length < 0 or length > aggregator.settings.max_body_bytes:
+            aggregator._metrics.reports.labels("too_large").inc()
+            self._error(413, f"report body over {aggregator.settings.max_body_bytes} bytes", close=True)
+            return
+        if not aggregator.try_begin_report():
+            aggregator._metrics.reports.labels("busy").inc()
+            self._error(429, "too many concurrent reports", close=True, **{"Retry-After": "1"})
+            return
+        try:
+            try:
+                body = self.rfile.read(length)
+            except OSError:  # socket timeout of a slow sender: drop the connection quietly
+                body = b""
+            if len(body) != length:
+                self.close_connection = True
+                return
+            try:
+                report = Report.from_json(json.loads(body))
+            except (ValueError, UnicodeDecodeError) as exc:
+                aggregator._metrics.reports.labels("invalid").inc()
+                message = str(exc) if isinstance(exc, ReportError) else "body is not valid JSON"
+                self._error(400, message)
+                return
+            outcome = aggregator.apply(report)
+        finally:
+            aggregator.end_report()
+        if outcome == "full":
+            self._error(429, "member limit reached", **{"Retry-After": "2"})
+        else:
+            self._send(200, {"outcome": outcome, "members": aggregator.member_count})

@@ -1,0 +1,156 @@
+"""Gateway side of the report protocol: push this gateway's complete demand to the aggregator.
+
+One background loop (a greenlet in the gevent-patched gateway, an OS thread elsewhere) waits on
+the DemandBroadcaster and POSTs on every change and every ``interval`` seconds, one request at a
+time with a short timeout. It never holds a queue: a burst of transitions collapses into the
+latest state. ``publish()`` in the gateway therefore never waits for the network.
+
+Sends are rate-limited to one per ``min_gap`` seconds, except when the active flag flips: the
+first cold request must reach KEDA at once, a change of count can wait 50 ms.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import requests
+
+from scaler.aggregator import read_token_file
+from scaler.demand import Demand, DemandBroadcaster
+
+__all__ = ["DemandReporter"]
+
+log = logging.getLogger("noctaya.scaler.reporter")
+
+
+class DemandReporter:
+    def __init__(
+        self,
+        url: str,
+        token_file: str,
+        broadcaster: DemandBroadcaster,
+        member_id: str | None = None,
+        interval: float = 2.0,
+        timeout: float = 1.0,
+        *,
+        min_gap: float = 0.05,
+        retry_delay: float = 0.25,
+    ) -> None:
+        if interval <= 0 or timeout <= 0 or min_gap < 0 or retry_delay <= 0:
+            raise ValueError("interval, timeout and retry_delay must be > 0, min_gap >= 0")
+        self.url = url
+        self.token_file = token_file
+        self.broadcaster = broadcaster
+        self.member_id = member_id or uuid.uuid4().hex
+        self.interval = interval
+        self.timeout = timeout
+        self.min_gap = min_gap
+        self.retry_delay = retry_delay
+        self._seq = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._session = requests.Session()
+        self._post_lock = threading.Lock()  # the session and seq belong to one sender at a time
+        self._last_error_log = -1e18
+        self.sent = 0
+        self.failures = 0
+        self.last_sent: Demand | None = None
+
+    # -- one POST -------------------------------------------------------------------------------
+
+    def _post(self, demand: Demand, *, withdraw: bool = False) -> bool:
+        with self._post_lock:
+            return self._post_locked(demand, withdraw)
+
+    def _post_locked(self, demand: Demand, withdraw: bool) -> bool:
+        token = read_token_file(self.token_file)
+        if token is None:
+            self._log_failure("aggregator token file is missing, empty or oversized")
+            return False
+        self._seq += 1
+        body = {
+            "member": self.member_id, "seq": self._seq, "queued": demand.queued,
+            "inFlight": demand.in_flight, "leaseActive": demand.lease_active, "withdraw": withdraw,
+        }
+        try:
+            response = self._session.post(
+                self.url, json=body, timeout=self.timeout,
+                headers={"Authorization": "Bearer " + token.decode("utf-8", "replace")},
+            )
+        except requests.RequestException as exc:
+            # The exception text can carry the URL but never the headers; log only its type.
+            self._log_failure(f"report failed: {type(exc).__name__}")
+            return False
+        if response.status_code != 200:
+            self._log_failure(f"report refused: HTTP {response.status_code}")
+            return False
+        self.sent += 1
+        return True
+
+    def _log_failure(self, message: str) -> None:
+        self.failures += 1
+        now = time.monotonic()
+        if now - self._last_error_log >= 10.0:  # one line per 10 s, a dead aggregator is one fact
+            self._last_error_log = now
+            log.warning("%s (url=%s, failures so far=%d)", message, self.url, self.failures)
+
+    # -- loop -----------------------------------------------------------------------------------
+
+    def start(self) -> DemandReporter:
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._thread = threading.Thread(target=self._run, name="demand-reporter", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        seen_version = -1
+        next_heartbeat = 0.0  # send at once on start
+        not_before = 0.0
+        pending = True
+        while not self._stopping:
+            now = time.monotonic()
+            due = next_heartbeat if not pending else max(not_before, now)
+            try:
+                version, demand = self.broadcaster.wait_for_change(seen_version, max(0.0, due - now))
+            except Exception as exc:  # a broken source: keep the loop, try again shortly
+                self._log_failure(f"demand source failed: {type(exc).__name__}")
+                self._sleep(self.retry_delay)
+                continue
+            if self._stopping:
+                break
+            if version != seen_version:
+                seen_version = version
+                pending = True
+            now = time.monotonic()
+            flag_flipped = self.last_sent is None or demand.active != self.last_sent.active
+            if pending and (now >= not_before or flag_flipped) or now >= next_heartbeat:
+                ok = self._post(demand)
+                now = time.monotonic()
+                if ok:
+                    self.last_sent, pending = demand, False
+                    next_heartbeat = now + self.interval
+                    not_before = now + self.min_gap
+                else:
+                    pending = True
+                    not_before = now + self.retry_delay
+                    next_heartbeat = now + self.interval
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+
+    def stop(self, withdraw: bool = True) -> None:
+        """Stop the loop and withdraw this member (one bounded POST), so the aggregator drops our
+        demand now rather than after its TTL."""
+        self._stopping = True
+        self.broadcaster.interrupt_waiters()
+        if self._thread is not None:
+            self._thread.join(self.timeout + 2.0)
+        if withdraw:
+            self._post(Demand(), withdraw=True)
+        self._session.close()

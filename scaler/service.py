@@ -1,0 +1,330 @@
+"""KEDA ExternalScaler servicer over a DemandBroadcaster, and the server that hosts it.
+
+Behaviour that KEDA relies on (SPEC §7):
+
+* StreamIsActive sends the current state as soon as it opens and pushes every change of the
+  active flag at once; while active it re-sends ``true`` every ``resend_interval`` (KEDA refreshes
+  its cooldown clock on each push, and each message costs it API calls, hence the bound). Demand
+  counts changing while the flag stays the same are not pushed: they reach KEDA through
+  GetMetrics. A stream never ends with an error because the demand source failed (KEDA backs off
+  up to 60 s after a broken stream); it ends with OK when the server stops.
+* IsActive, GetMetricSpec and GetMetrics answer from memory. grpcio's sync server holds one pool
+  thread per open stream, so the pool is sized ``max_streams + unary_workers`` and streams beyond
+  ``max_streams`` are refused: unary calls always keep ``unary_workers`` threads.
+* StreamMetricSpec answers UNIMPLEMENTED: the spec is static, KEDA then silently keeps polling
+  GetMetricSpec, and no pool thread is spent holding a stream that would never send twice.
+
+In a gevent-monkey-patched process (the gateway) grpc must run in gevent mode
+(``grpc.experimental.gevent.init_gevent()``, done by ``start_scaler_server``): grpc's pool
+"threads" are then greenlets that wait on the broadcaster cooperatively.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from scaler import externalscaler_pb2 as pb
+from scaler import externalscaler_pb2_grpc as pb_grpc
+from scaler.demand import Demand, DemandBroadcaster
+from scaler.tls import TLSFiles, server_credentials
+
+__all__ = [
+    "ExternalScalerServicer",
+    "ScalerServer",
+    "ScalerSettings",
+    "ensure_grpc_gevent_compat",
+    "start_scaler_server",
+    "validate_metric_name",
+]
+
+log = logging.getLogger("noctaya.scaler")
+
+# Path-safe: the HPA puts the metric name into external.metrics.k8s.io URL paths.
+_METRIC_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+# KEDA prefixes trigger metric names with "s<index>-"; it strips that before asking us, but an
+# older or future caller that does not is still answered.
+_KEDA_PREFIX_RE = re.compile(r"^s\d+-")
+
+
+def validate_metric_name(name: str) -> str:
+    if not _METRIC_NAME_RE.match(name):
+        raise ValueError(
+            f"metric name {name!r} must be 1-63 lowercase letters, digits or '-', starting and ending "
+            "with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class ScalerSettings:
+    metric_name: str = "noctaya-demand"
+    target: int = 10
+    resend_interval: float = 5.0  # re-send `true` at most this often while active
+    max_streams: int = 256  # open StreamIsActive streams (KEDA opens one per ScaledObject trigger)
+    unary_workers: int = 32  # pool threads that streams can never take
+    max_pending_rpcs: int = 1024  # unary calls queued beyond the workers before RESOURCE_EXHAUSTED
+    wait_slice: float = 1.0  # upper bound of one wait, so a missed interrupt costs at most this
+
+    def __post_init__(self) -> None:
+        validate_metric_name(self.metric_name)
+        if isinstance(self.target, bool) or not isinstance(self.target, int) or self.target < 1:
+            raise ValueError("target must be an int >= 1")
+        if self.resend_interval <= 0 or self.wait_slice <= 0:
+            raise ValueError("resend_interval and wait_slice must be > 0")
+        if self.max_streams < 1 or self.unary_workers < 1 or self.max_pending_rpcs < 0:
+            raise ValueError("max_streams and unary_workers must be >= 1, max_pending_rpcs >= 0")
+
+
+class _RateLimitedLog:
+    """At most one log line per ``interval`` seconds, with a count of what was suppressed: a
+    demand source failing in a loop must not flood the logs."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._last = -1e18
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self._interval:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        log.warning(msg + " (%d similar suppressed)", *args, suppressed)
+
+
+class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
+    def __init__(self, source: DemandBroadcaster, settings: ScalerSettings) -> None:
+        self._source = source
+        self._settings = settings
+        self._stopping = False
+        self._streams_lock = threading.Lock()
+        self._open_streams = 0
+        self._last_good: Demand | None = None
+        self._source_errors = _RateLimitedLog()
+        self.source_error_count = 0
+        self.pushes = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def open_streams(self) -> int:
+        with self._streams_lock:
+            return self._open_streams
+
+    def begin_shutdown(self) -> None:
+        """Make every open stream return (status OK) promptly."""
+        self._stopping = True
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        interrupt = getattr(self._source, "interrupt_waiters", None)
+        if interrupt is not None:
+            try:
+                interrupt()
+            except Exception:  # a broken source must not break shutdown; wait_slice bounds it
+                pass
+
+    # -- demand access that never raises ---------------------------------------------------------
+
+    def _demand_for_unary(self, context: grpc.ServicerContext) -> Demand:
+        try:
+            demand = self._source.current()
+        except Exception as exc:
+            self.source_error_count += 1
+            self._source_errors.warning("demand source failed: %s", type(exc).__name__)
+            if self._last_good is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "demand not known yet")
+            return self._last_good
+        self._last_good = demand
+        return demand
+
+    # -- RPCs ------------------------------------------------------------------------------------
+
+    def IsActive(self, request: pb.ScaledObjectRef, context: grpc.ServicerContext) -> pb.IsActiveResponse:
+        return pb.IsActiveResponse(result=self._demand_for_unary(context).active)
+
+    def GetMetricSpec(
+        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
+    ) -> pb.GetMetricSpecResponse:
+        return pb.GetMetricSpecResponse(metricSpecs=[self._metric_spec()])
+
+    def _metric_spec(self) -> pb.MetricSpec:
+        target = self._settings.target
+        return pb.MetricSpec(
+            metricName=self._settings.metric_name, targetSize=target, targetSizeFloat=float(target)
+        )
+
+    def GetMetrics(self, request: pb.GetMetricsRequest, context: grpc.ServicerContext) -> pb.GetMetricsResponse:
+        requested = request.metricName
+        ours = self._settings.metric_name
+        if requested not in ("", ours) and _KEDA_PREFIX_RE.sub("", requested, count=1) != ours:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown metric {requested[:100]!r}; serving {ours!r}")
+        total = self._demand_for_unary(context).total
+        return pb.GetMetricsResponse(
+            metricValues=[pb.MetricValue(metricName=requested or ours, metricValue=total,
+                                         metricValueFloat=float(total))]
+        )
+
+    def StreamMetricSpec(
+        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
+    ) -> Iterator[pb.GetMetricSpecResponse]:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "metric spec is static; poll GetMetricSpec")
+        yield from ()  # pragma: no cover - makes this a generator like every streaming handler
+
+    def StreamIsActive(
+        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
+    ) -> Iterator[pb.IsActiveResponse]:
+        with self._streams_lock:
+            admitted = not self._stopping and self._open_streams < self._settings.max_streams
+            if admitted:
+                self._open_streams += 1
+        if not admitted:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many open StreamIsActive streams")
+        try:
+            # A client going away wakes us so its pool thread is freed now, not at the next push.
+            context.add_callback(self._interrupt)
+            yield from self._stream_active(context)
+        finally:
+            with self._streams_lock:
+                self._open_streams -= 1
+
+    def _stream_active(self, context: grpc.ServicerContext) -> Iterator[pb.IsActiveResponse]:
+        settings = self._settings
+        seen_version = -1  # no version is -1: the first wait returns the current state at once
+        sent: bool | None = None
+        sent_at = 0.0
+        backoff = 0.05
+        while not self._stopping and context.is_active():
+            if sent:
+                timeout = max(0.0, min(settings.wait_slice, sent_at + settings.resend_interval - time.monotonic()))
+            else:
+                timeout = settings.wait_slice
+            try:
+                seen_version, demand = self._source.wait_for_change(seen_version, timeout)
+            except Exception as exc:
+                # Transient by assumption: log, back off briefly, keep the stream open.
+                self.source_error_count += 1
+                self._source_errors.warning("demand source failed in StreamIsActive: %s", type(exc).__name__)
+                self._sleep_unless_stopping(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.05
+            self._last_good = demand
+            if self._stopping or not context.is_active():
+                break
+            active = demand.active
+            now = time.monotonic()
+            if active != sent or (active and now - sent_at >= settings.resend_interval):
+                sent, sent_at = active, now
+                self.pushes += 1
+                yield pb.IsActiveResponse(result=active)
+
+    def _sleep_unless_stopping(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stopping and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+
+
+def ensure_grpc_gevent_compat() -> bool:
+    """Switch grpc to gevent mode when the process is monkey-patched; True if it is in gevent mode.
+
+    Must run before any grpc channel or server exists in the process. Idempotent.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is None or not monkey.is_module_patched("threading"):
+        return False
+    global _GEVENT_INITIALISED
+    if not _GEVENT_INITIALISED:
+        from grpc.experimental import gevent as grpc_gevent
+
+        grpc_gevent.init_gevent()
+        _GEVENT_INITIALISED = True
+    return True
+
+
+_GEVENT_INITIALISED = False
+
+
+class ScalerServer:
+    """A running ExternalScaler gRPC server."""
+
+    def __init__(self, server: grpc.Server, servicer: ExternalScalerServicer, port: int) -> None:
+        self._server = server
+        self.servicer = servicer
+        self.port = port
+        self._stopped = False
+
+    def stop(self, grace: float = 5.0) -> None:
+        """End open streams with OK, let in-flight unary calls finish within ``grace``, then close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.servicer.begin_shutdown()
+        # Streams return within wait_slice even if an interrupt was missed; wait for that (bounded
+        # by grace) before grpc's own stop, which would cancel whatever is still running.
+        deadline = time.monotonic() + max(0.0, grace)
+        while self.servicer.open_streams and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._server.stop(max(0.0, deadline - time.monotonic())).wait(grace + 1.0)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)
+
+
+def start_scaler_server(
+    broadcaster: DemandBroadcaster,
+    port: int,
+    *,
+    host: str = "0.0.0.0",
+    metric_name: str = "noctaya-demand",
+    target: int = 10,
+    tls: TLSFiles | grpc.ServerCredentials | None = None,
+    settings: ScalerSettings | None = None,
+) -> ScalerServer:
+    """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).
+
+    ``settings`` overrides the tuning knobs; ``metric_name`` and ``target`` are used when it is None.
+    """
+    if settings is None:
+        settings = ScalerSettings(metric_name=metric_name, target=target)
+    gevent_mode = ensure_grpc_gevent_compat()
+    # Credentials first: bad TLS material fails before any server or pool exists.
+    creds = server_credentials(tls) if isinstance(tls, TLSFiles) else tls
+    servicer = ExternalScalerServicer(broadcaster, settings)
+    pool = futures.ThreadPoolExecutor(
+        max_workers=settings.max_streams + settings.unary_workers, thread_name_prefix="noctaya-scaler"
+    )
+    server = grpc.server(
+        pool,
+        maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers + settings.max_pending_rpcs,
+        options=[
+            ("grpc.so_reuseport", 0),  # a second process on the same port must fail, not share it
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ],
+    )
+    pb_grpc.add_ExternalScalerServicer_to_server(servicer, server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
+    except RuntimeError as exc:  # grpcio raises instead of returning 0 on a failed bind
+        server.stop(None)
+        raise OSError(f"cannot bind the gRPC scaler to {address}: {exc}") from None
+    if not bound:
+        server.stop(None)
+        raise OSError(f"cannot bind the gRPC scaler to {address}")
+    server.start()
+    log.info("ExternalScaler listening on %s:%d (tls=%s, gevent=%s)", host, bound, tls is not None, gevent_mode)
+    return ScalerServer(server, servicer, bound)

@@ -1,0 +1,296 @@
+"""Aggregate scaler: member table rules (injected clock) and the HTTP endpoint on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from scaler import externalscaler_pb2 as pb
+from scaler import externalscaler_pb2_grpc as pb_grpc
+from scaler.aggregator import Aggregator, AggregatorSettings, MemberTable, Report, ReportError
+from scaler.demand import Demand, DemandBroadcaster
+from scaler.service import start_scaler_server
+
+from .conftest import wait_until
+
+TOKEN = "s3cr3t-token-value"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(member: str, seq: int, queued: int = 0, in_flight: int = 0, lease: bool = False,
+           withdraw: bool = False) -> Report:
+    return Report(member, seq, queued, in_flight, lease, withdraw)
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+def settings(token_file: Path, **overrides: object) -> AggregatorSettings:
+    return AggregatorSettings(token_file=str(token_file), **overrides)
+
+
+# -- MemberTable ------------------------------------------------------------------------------
+
+
+def test_sum_of_members(token_file) -> None:
+    table = MemberTable(settings(token_file))
+    assert table.apply(report("a", 1, queued=2, in_flight=1)) == "accepted"
+    assert table.apply(report("b", 1, queued=3, lease=True)) == "accepted"
+    assert table.total() == Demand(queued=5, in_flight=1, lease_active=True)
+
+
+def test_newest_seq_wins_and_older_or_equal_is_ignored(token_file) -> None:
+    table = MemberTable(settings(token_file))
+    table.apply(report("a", 5, queued=5))
+    assert table.apply(report("a", 5, queued=9)) == "stale"
+    assert table.apply(report("a", 3, queued=9)) == "stale"
+    assert table.total().queued == 5
+    assert table.apply(report("a", 6, queued=1)) == "accepted"
+    assert table.total().queued == 1
+
+
+def test_per_member_demand_is_clamped(token_file) -> None:
+    table = MemberTable(settings(token_file, max_member_demand=100))
+    table.apply(report("a", 1, queued=10**9, in_flight=10**9))
+    table.apply(report("b", 1, queued=30, in_flight=500))
+    assert table.total() == Demand(queued=130, in_flight=70)
+
+
+def test_ttl_expiry_with_injected_clock(token_file) -> None:
+    clock = FakeClock()
+    table = MemberTable(settings(token_file, member_ttl=10.0), clock)
+    table.apply(report("a", 1, queued=1))
+    clock.now += 5
+    table.apply(report("b", 1, queued=2))
+    clock.now += 5  # a is exactly at the TTL: still alive
+    assert table.expire() == 0 and len(table) == 2
+    clock.now += 0.5
+    assert table.expire() == 1 and table.total() == Demand(queued=2)
+    clock.now += 5
+    assert table.expire() == 1 and len(table) == 0
+
+
+def test_withdraw_removes_member_and_blocks_late_older_reports(token_file) -> None:
+    clock = FakeClock()
+    table = MemberTable(settings(token_file), clock)
+    table.apply(report("a", 1, queued=4))
+    assert table.apply(report("a", 2, withdraw=True)) == "withdrawn"
+    assert len(table) == 0 and table.total() == Demand()
+    assert table.apply(report("a", 1, queued=4)) == "stale"  # delayed packet can't resurrect it
+    clock.now += 11
+    assert table.apply(report("a", 1, queued=4)) == "accepted"  # tombstone gone after one TTL
+
+
+def test_member_cap(token_file) -> None:
+    table = MemberTable(settings(token_file, max_members=3))
+    assert [table.apply(report(f"m{i}", 1, queued=1)) for i in range(5)] == ["accepted"] * 3 + ["full"] * 2
+    assert table.apply(report("m0", 2, queued=7)) == "accepted"  # existing members keep reporting
+    assert len(table) == 3 and table.total().queued == 9
+
+
+def test_tombstones_are_bounded(token_file) -> None:
+    table = MemberTable(settings(token_file, max_members=4))
+    for i in range(100):
+        table.apply(report(f"w{i}", 1, withdraw=True))
+    assert len(table._tombstones) <= 4
+
+
+@pytest.mark.parametrize("payload", [
+    [], {"seq": 1}, {"member": "", "seq": 1}, {"member": "a/b", "seq": 1}, {"member": "a"},
+    {"member": "a", "seq": -1}, {"member": "a", "seq": 1, "queued": "3"}, {"member": "a", "seq": True},
+    {"member": "a", "seq": 1, "leaseActive": "yes"}, {"member": "x" * 200, "seq": 1},
+])
+def test_report_validation(payload) -> None:
+    with pytest.raises(ReportError):
+        Report.from_json(payload)
+
+
+# -- HTTP endpoint ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_aggregator(token_file):
+    started: list[Aggregator] = []
+
+    def make(**overrides: object) -> Aggregator:
+        clock = overrides.pop("clock", time.monotonic)
+        agg = Aggregator(settings(token_file, **overrides), DemandBroadcaster(), clock=clock)
+        agg.start("127.0.0.1", 0)
+        started.append(agg)
+        return agg
+
+    yield make
+    for agg in started:
+        agg.stop()
+
+
+def post(agg: Aggregator, body: object, token: str | None = TOKEN, **kwargs: object) -> requests.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return requests.post(f"http://127.0.0.1:{agg.port}/v1/report", json=body, headers=headers, timeout=10, **kwargs)
+
+
+def test_report_updates_broadcaster_and_health(make_aggregator) -> None:
+    agg = make_aggregator()
+    r = post(agg, {"member": "g1", "seq": 1, "queued": 2, "inFlight": 1, "leaseActive": True, "withdraw": False})
+    assert r.status_code == 200 and r.json() == {"outcome": "accepted", "members": 1}
+    post(agg, {"member": "g2", "seq": 1, "queued": 4})
+    assert agg.broadcaster.current() == Demand(queued=6, in_flight=1, lease_active=True)
+    assert requests.get(f"http://127.0.0.1:{agg.port}/healthz", timeout=10).json()["members"] == 2
+    metrics = requests.get(f"http://127.0.0.1:{agg.port}/metrics", timeout=10).text
+    assert "noctaya_aggregator_members 2.0" in metrics and "noctaya_aggregator_queued 6.0" in metrics
+    assert TOKEN not in metrics
+
+
+def test_auth_required_and_token_rotation(make_aggregator, token_file) -> None:
+    agg = make_aggregator()
+    body = {"member": "g1", "seq": 1, "queued": 1}
+    for token in (None, "wrong", TOKEN + "x", ""):
+        r = post(agg, body, token=token)
+        assert r.status_code == 401 and TOKEN not in r.text
+    r = requests.post(f"http://127.0.0.1:{agg.port}/v1/report", json=body, timeout=10,
+                      headers={"Authorization": f"Basic {TOKEN}"})
+    assert r.status_code == 401
+    assert agg.member_count == 0
+    token_file.write_text("rotated-token")
+    assert post(agg, body).status_code == 401
+    assert post(agg, body, token="rotated-token").status_code == 200
+    token_file.unlink()
+    assert post(agg, {"member": "g1", "seq": 2}, token="rotated-token").status_code == 401
+
+
+def test_body_over_64_kib_is_413_without_reading_it(make_aggregator) -> None:
+    agg = make_aggregator()
+    with socket.create_connection(("127.0.0.1", agg.port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/report HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 65537\r\n\r\n"
+        )  # no body sent at all: the answer must come from the headers alone
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+    big = {"member": "g1", "seq": 1, "pad": "x" * 70_000}
+    assert post(agg, big).status_code == 413
+    exactly = json.dumps({"member": "g1", "seq": 1, "pad": ""}).encode()
+    padded = exactly[:-2] + b"x" * (65536 - len(exactly)) + b'"}'
+    assert len(padded) == 65536
+    r = requests.post(f"http://127.0.0.1:{agg.port}/v1/report", data=padded, timeout=10,
+                      headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert r.status_code == 200
+
+
+def test_bad_json_is_400(make_aggregator) -> None:
+    agg = make_aggregator()
+    r = requests.post(f"http://127.0.0.1:{agg.port}/v1/report", data=b"{not json", timeout=10,
+                      headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    assert post(agg, {"member": "g1", "seq": "1"}).status_code == 400
+
+
+def _hold_report(port: int) -> socket.socket:
+    """A report whose body never finishes arriving: it holds one report slot."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/report HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                 + b"\r\nContent-Length: 100\r\n\r\n{")
+    return sock
+
+
+def _slots_exhausted(agg: Aggregator) -> bool:
+    if agg.try_begin_report():
+        agg.end_report()
+        return False
+    return True
+
+
+def test_concurrent_report_flood_gets_429(make_aggregator) -> None:
+    agg = make_aggregator(max_concurrent_reports=4, max_connections=64)
+    held = [_hold_report(agg.port) for _ in range(4)]
+    try:
+        assert wait_until(lambda: _slots_exhausted(agg), timeout=10)
+
+        def flood(i: int) -> int:
+            return post(agg, {"member": f"f{i}", "seq": 1, "queued": 1}).status_code
+
+        with ThreadPoolExecutor(32) as pool:
+            codes = list(pool.map(flood, range(100)))
+        assert codes == [429] * 100
+        assert agg.member_count == 0
+    finally:
+        for sock in held:
+            sock.close()
+    assert wait_until(lambda: post(agg, {"member": "after", "seq": 1, "queued": 1}).status_code == 200)
+
+
+def test_member_cap_flood(make_aggregator) -> None:
+    agg = make_aggregator(max_members=8, max_concurrent_reports=64)
+
+    def flood(i: int) -> int:
+        return post(agg, {"member": f"m{i}", "seq": 1, "queued": 1}).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(flood, range(200)))
+    assert codes.count(200) == 8 and codes.count(429) == 192
+    assert agg.member_count == 8 and agg.broadcaster.current().queued == 8
+
+
+def test_connection_cap_answers_503(make_aggregator) -> None:
+    agg = make_aggregator(max_connections=3)
+    idle = [socket.create_connection(("127.0.0.1", agg.port), timeout=10) for _ in range(3)]
+    try:
+        assert wait_until(lambda: requests.get(f"http://127.0.0.1:{agg.port}/healthz", timeout=10).status_code == 503)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert wait_until(lambda: requests.get(f"http://127.0.0.1:{agg.port}/healthz", timeout=10).status_code == 200)
+
+
+def test_clamp_stale_withdraw_and_ttl_over_http(make_aggregator) -> None:
+    clock = FakeClock()
+    agg = make_aggregator(max_member_demand=100, member_ttl=10.0, clock=clock)
+    assert post(agg, {"member": "g1", "seq": 10, "queued": 5000, "inFlight": 5000}).status_code == 200
+    assert agg.broadcaster.current() == Demand(queued=100, in_flight=0)
+    assert post(agg, {"member": "g1", "seq": 9, "queued": 1}).json()["outcome"] == "stale"
+    assert post(agg, {"member": "g2", "seq": 1, "inFlight": 3}).status_code == 200
+    assert agg.broadcaster.current() == Demand(queued=100, in_flight=3)
+    assert post(agg, {"member": "g1", "seq": 11, "withdraw": True}).json()["outcome"] == "withdrawn"
+    assert agg.broadcaster.current() == Demand(in_flight=3)
+    clock.now += 10.5
+    assert agg.expire() == 1  # the expiry thread calls this too; the injected clock decides
+    assert agg.broadcaster.current() == Demand() and agg.member_count == 0
+
+
+def test_aggregator_feeds_the_grpc_scaler(make_aggregator) -> None:
+    agg = make_aggregator()
+    server = start_scaler_server(agg.broadcaster, 0, host="127.0.0.1")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.ExternalScalerStub(channel)
+            stream = stub.StreamIsActive(pb.ScaledObjectRef(name="qwen"), timeout=30)
+            assert next(stream).result is False
+            received: list[bool] = []
+            reader = threading.Thread(target=lambda: received.append(next(stream).result))
+            reader.start()
+            post(agg, {"member": "g1", "seq": 1, "queued": 1})
+            reader.join(10)
+            assert received == [True]
+            reply = stub.GetMetrics(pb.GetMetricsRequest(metricName="noctaya-demand"), timeout=10)
+            assert reply.metricValues[0].metricValue == 1
+            stream.cancel()
+    finally:
+        server.stop(1.0)

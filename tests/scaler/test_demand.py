@@ -1,0 +1,111 @@
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from scaler.demand import IDLE, Demand, DemandBroadcaster, TooManyWaiters
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demand_total_and_active() -> None:
+    assert IDLE.total == 0 and not IDLE.active
+    assert Demand(queued=2, in_flight=3).total == 5
+    assert Demand(queued=1).active and Demand(in_flight=1).active
+    assert Demand(lease_active=True).active and Demand(lease_active=True).total == 0
+    with pytest.raises(ValueError):
+        Demand(queued=-1)
+    with pytest.raises(AttributeError):
+        Demand().queued = 3  # type: ignore[misc]
+
+
+def test_publish_bumps_version_only_on_change() -> None:
+    b = DemandBroadcaster()
+    assert b.snapshot() == (0, IDLE)
+    assert b.publish(Demand(queued=1)) is True
+    assert b.publish(Demand(queued=1)) is False
+    assert b.snapshot() == (1, Demand(queued=1))
+    with pytest.raises(TypeError):
+        b.publish({"queued": 1})  # type: ignore[arg-type]
+
+
+def test_wait_returns_at_once_when_version_already_differs() -> None:
+    b = DemandBroadcaster()
+    b.publish(Demand(queued=4))
+    t0 = time.monotonic()
+    assert b.wait_for_change(0, 30.0) == (1, Demand(queued=4))
+    assert time.monotonic() - t0 < 5
+
+
+def test_wait_times_out_with_same_version() -> None:
+    b = DemandBroadcaster()
+    version, demand = b.wait_for_change(0, 0.05)
+    assert (version, demand) == (0, IDLE)
+    assert b.waiter_count == 0
+
+
+def test_many_threads_woken_by_one_publish() -> None:
+    b = DemandBroadcaster()
+    results: list[tuple[int, Demand]] = []
+    lock = threading.Lock()
+
+    def wait() -> None:
+        r = b.wait_for_change(0, 30.0)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=wait) for _ in range(50)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while b.waiter_count < 50 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert b.waiter_count == 50
+    b.publish(Demand(in_flight=7))
+    for t in threads:
+        t.join(30)
+    assert len(results) == 50 and all(r == (1, Demand(in_flight=7)) for r in results)
+    assert b.waiter_count == 0
+
+
+def test_waiter_bound_is_enforced() -> None:
+    b = DemandBroadcaster(max_waiters=2)
+    started = threading.Barrier(3)
+
+    def wait() -> None:
+        started.wait(10)
+        b.wait_for_change(0, 30.0)
+
+    threads = [threading.Thread(target=wait) for _ in range(2)]
+    for t in threads:
+        t.start()
+    started.wait(10)
+    deadline = time.monotonic() + 30
+    while b.waiter_count < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with pytest.raises(TooManyWaiters):
+        b.wait_for_change(0, 30.0)
+    b.publish(Demand(queued=1))
+    for t in threads:
+        t.join(30)
+    assert b.waiter_count == 0
+
+
+def test_gevent_patched_process_greenlets_and_native_threads() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("_gevent_demand_probe.py"))],
+        cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["greenlet_by_greenlet"] == [1, 1]
+    assert facts["ticks_while_waiting"] == 5  # the hub kept running other greenlets
+    version, in_flight, waited = facts["greenlet_by_native"]
+    assert (version, in_flight) == (1, 2) and waited < 9  # woken, not timed out
+    assert facts["native_by_greenlet"] == [1, True]
+    assert facts["timeout"] == [True, True]

@@ -1,0 +1,174 @@
+"""DemandReporter against a real aggregator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from scaler.aggregator import Aggregator, AggregatorSettings
+from scaler.demand import Demand, DemandBroadcaster
+from scaler.reporter import DemandReporter
+
+from .conftest import wait_until
+
+TOKEN = "reporter-token-0123456789"
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN)
+    return path
+
+
+@pytest.fixture
+def aggregator(token_file: Path):
+    agg = Aggregator(AggregatorSettings(token_file=str(token_file), member_ttl=1.0), DemandBroadcaster())
+    agg.start("127.0.0.1", 0)
+    yield agg
+    agg.stop()
+
+
+def url(agg: Aggregator) -> str:
+    return f"http://127.0.0.1:{agg.port}/v1/report"
+
+
+def test_reports_changes_heartbeats_and_withdraws(aggregator, token_file) -> None:
+    local = DemandBroadcaster()
+    reporter = DemandReporter(url(aggregator), str(token_file), local, interval=0.2).start()
+    try:
+        assert wait_until(lambda: aggregator.member_count == 1)
+        local.publish(Demand(queued=3, lease_active=True))
+        assert wait_until(lambda: aggregator.broadcaster.current() == Demand(queued=3, lease_active=True))
+        local.publish(Demand(queued=1, in_flight=2))
+        assert wait_until(lambda: aggregator.broadcaster.current() == Demand(queued=1, in_flight=2))
+        # Heartbeats every 0.2 s keep the member alive past the 1 s TTL without any change.
+        sent = reporter.sent
+        time.sleep(1.5)
+        assert aggregator.member_count == 1 and reporter.sent >= sent + 4
+        assert aggregator.broadcaster.current() == Demand(queued=1, in_flight=2)
+    finally:
+        reporter.stop()
+    assert aggregator.member_count == 0 and aggregator.broadcaster.current() == Demand()
+
+
+def test_first_active_edge_is_sent_at_once(aggregator, token_file) -> None:
+    local = DemandBroadcaster()
+    reporter = DemandReporter(url(aggregator), str(token_file), local, interval=30.0).start()
+    try:
+        assert wait_until(lambda: aggregator.member_count == 1)
+        t0 = time.monotonic()
+        local.publish(Demand(queued=1))
+        assert wait_until(lambda: aggregator.broadcaster.current().active, timeout=10)
+        assert time.monotonic() - t0 < 5.0  # correctness bound; far below the 30 s heartbeat
+    finally:
+        reporter.stop()
+
+
+def test_two_gateways_are_summed_and_a_silent_one_expires(aggregator, token_file) -> None:
+    a, b = DemandBroadcaster(Demand(queued=2)), DemandBroadcaster(Demand(in_flight=5))
+    ra = DemandReporter(url(aggregator), str(token_file), a, interval=0.2).start()
+    rb = DemandReporter(url(aggregator), str(token_file), b, interval=0.2).start()
+    try:
+        assert wait_until(lambda: aggregator.broadcaster.current() == Demand(queued=2, in_flight=5))
+        rb.stop(withdraw=False)  # a crash: no withdraw, the TTL must drop it
+        assert wait_until(lambda: aggregator.broadcaster.current() == Demand(queued=2), timeout=10)
+    finally:
+        ra.stop()
+
+
+def test_burst_of_changes_is_coalesced(aggregator, token_file) -> None:
+    local = DemandBroadcaster()
+    reporter = DemandReporter(url(aggregator), str(token_file), local, interval=5.0, min_gap=0.05).start()
+    try:
+        assert wait_until(lambda: aggregator.member_count == 1)
+        t0 = time.monotonic()
+        for i in range(1, 2001):
+            local.publish(Demand(queued=i % 50 + 1))
+        publish_time = time.monotonic() - t0
+        local.publish(Demand(queued=77))
+        assert wait_until(lambda: aggregator.broadcaster.current() == Demand(queued=77))
+        elapsed = time.monotonic() - t0
+        assert reporter.sent <= 3 + elapsed / 0.05  # bounded by the gap, not by the 2001 changes
+        assert publish_time < 5.0
+    finally:
+        reporter.stop()
+
+
+def test_wrong_token_fails_without_logging_it(aggregator, tmp_path, caplog) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token-XYZ")
+    local = DemandBroadcaster(Demand(queued=1))
+    caplog.set_level(logging.DEBUG)
+    reporter = DemandReporter(url(aggregator), str(wrong), local, interval=0.1, retry_delay=0.05).start()
+    try:
+        assert wait_until(lambda: reporter.failures >= 3)
+        assert aggregator.member_count == 0
+    finally:
+        reporter.stop()
+    text = caplog.text
+    assert "401" in text and "not-the-token-XYZ" not in text and TOKEN not in text
+
+
+def test_hanging_aggregator_never_blocks_the_publisher(token_file) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts connections, never answers
+    local = DemandBroadcaster()
+    reporter = DemandReporter(f"http://127.0.0.1:{listener.getsockname()[1]}/v1/report", str(token_file), local,
+                              interval=0.2, timeout=0.3).start()
+    try:
+        t0 = time.monotonic()
+        for i in range(1000):
+            local.publish(Demand(queued=i % 7))
+        assert time.monotonic() - t0 < 2.0
+        assert wait_until(lambda: reporter.failures >= 2, timeout=10)
+    finally:
+        t0 = time.monotonic()
+        stopper = threading.Thread(target=reporter.stop)
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive() and time.monotonic() - t0 < 5.0
+        listener.close()
+
+
+def test_missing_token_file_is_a_logged_failure(aggregator, tmp_path) -> None:
+    reporter = DemandReporter(url(aggregator), str(tmp_path / "absent"), DemandBroadcaster(), interval=0.1,
+                              retry_delay=0.05).start()
+    try:
+        assert wait_until(lambda: reporter.failures >= 2)
+        assert reporter.sent == 0
+    finally:
+        reporter.stop()
+
+
+def test_reporter_inside_a_gevent_patched_process(aggregator, token_file) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_gevent_reporter_probe.py")), url(aggregator), str(token_file)],
+        cwd=root, env={"PYTHONPATH": str(root), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "published"  # type: ignore[union-attr]
+        assert wait_until(lambda: aggregator.broadcaster.current() == Demand(queued=4, lease_active=True))
+        time.sleep(0.5)  # a few heartbeats while the hub keeps ticking
+        proc.stdin.write("\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        facts = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert facts["failures"] == 0 and facts["sent"] >= 3 and facts["ticks"] >= 20
+    assert aggregator.member_count == 0  # withdrawn

@@ -1,0 +1,135 @@
+"""Mutual TLS of the gRPC scaler, with certificates made at test time by the openssl CLI."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from scaler import externalscaler_pb2 as pb
+from scaler import externalscaler_pb2_grpc as pb_grpc
+from scaler.demand import Demand, DemandBroadcaster
+from scaler.service import start_scaler_server
+from scaler.tls import TLSConfigError, TLSFiles, tls_files_from_env
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign",
+             cwd=d)
+
+
+def _leaf(d: Path, name: str, ca: str, usage: str) -> None:
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+    (d / f"{name}.ext").write_text(
+        f"subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage={usage}\nbasicConstraints=CA:FALSE\n"
+    )
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    for ca in ("ca", "rogue-ca", "ca2"):
+        _ca(d, ca)
+    _leaf(d, "server", "ca", "serverAuth")
+    _leaf(d, "keda", "ca", "clientAuth")
+    _leaf(d, "intruder", "rogue-ca", "clientAuth")
+    _leaf(d, "server2", "ca2", "serverAuth")
+    _leaf(d, "keda2", "ca2", "clientAuth")
+    return d
+
+
+def _stub(port: int, pki: Path, client: str | None, ca: str = "ca") -> tuple[grpc.Channel, pb_grpc.ExternalScalerStub]:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=(pki / f"{ca}.crt").read_bytes(),
+        private_key=(pki / f"{client}.key").read_bytes() if client else None,
+        certificate_chain=(pki / f"{client}.crt").read_bytes() if client else None,
+    )
+    channel = grpc.secure_channel(f"127.0.0.1:{port}", creds, options=[("grpc.ssl_target_name_override", "localhost")])
+    return channel, pb_grpc.ExternalScalerStub(channel)
+
+
+@pytest.fixture
+def mtls_server(pki: Path, tmp_path: Path):
+    # Copies, so the rotation test can replace them like a Secret volume update.
+    live = tmp_path / "live"
+    live.mkdir()
+    for src, dst in (("server.crt", "tls.crt"), ("server.key", "tls.key"), ("ca.crt", "ca.crt")):
+        shutil.copyfile(pki / src, live / dst)
+    files = TLSFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt"))
+    server = start_scaler_server(DemandBroadcaster(Demand(queued=1)), 0, host="127.0.0.1", tls=files)
+    yield server, live
+    server.stop(1.0)
+
+
+def test_client_with_certificate_is_served(mtls_server, pki) -> None:
+    server, _ = mtls_server
+    channel, stub = _stub(server.port, pki, "keda")
+    with channel:
+        assert stub.IsActive(pb.ScaledObjectRef(), timeout=10).result is True
+        stream = stub.StreamIsActive(pb.ScaledObjectRef(), timeout=10)
+        assert next(stream).result is True
+        stream.cancel()
+
+
+@pytest.mark.parametrize("client", [None, "intruder"])
+def test_client_without_a_valid_certificate_is_refused(mtls_server, pki, client) -> None:
+    server, _ = mtls_server
+    channel, stub = _stub(server.port, pki, client)
+    with channel, pytest.raises(grpc.RpcError) as err:
+        stub.IsActive(pb.ScaledObjectRef(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_plaintext_client_is_refused(mtls_server) -> None:
+    server, _ = mtls_server
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError):
+        pb_grpc.ExternalScalerStub(channel).IsActive(pb.ScaledObjectRef(), timeout=5)
+
+
+def test_rotated_secret_takes_effect_without_restart(mtls_server, pki) -> None:
+    server, live = mtls_server
+    for src, dst in (("server2.crt", "tls.crt"), ("server2.key", "tls.key"), ("ca2.crt", "ca.crt")):
+        tmp = live / (dst + ".new")
+        shutil.copyfile(pki / src, tmp)
+        tmp.replace(live / dst)  # atomic swap, new inode, like kubelet's symlink flip
+    channel, stub = _stub(server.port, pki, "keda2", ca="ca2")
+    with channel:
+        assert stub.IsActive(pb.ScaledObjectRef(), timeout=10).result is True
+    old_channel, old_stub = _stub(server.port, pki, "keda", ca="ca")
+    with old_channel, pytest.raises(grpc.RpcError):
+        old_stub.IsActive(pb.ScaledObjectRef(), timeout=10)
+
+
+def test_env_needs_all_three_files(pki) -> None:
+    assert tls_files_from_env({}) is None
+    with pytest.raises(TLSConfigError, match="missing NOCTAYA_SCALER_TLS_KEY_FILE"):
+        tls_files_from_env({"NOCTAYA_SCALER_TLS_CERT_FILE": "a", "NOCTAYA_SCALER_TLS_CA_FILE": "c"})
+    files = tls_files_from_env({"NOCTAYA_SCALER_TLS_CERT_FILE": "a", "NOCTAYA_SCALER_TLS_KEY_FILE": "b",
+                                "NOCTAYA_SCALER_TLS_CA_FILE": "c"})
+    assert files == TLSFiles("a", "b", "c")
+
+
+def test_unreadable_material_fails_at_start_without_leaking_content(pki, tmp_path) -> None:
+    bogus = tmp_path / "bogus.key"
+    bogus.write_text("SECRET-BYTES not a pem")
+    files = TLSFiles(str(pki / "server.crt"), str(bogus), str(pki / "ca.crt"))
+    with pytest.raises(TLSConfigError) as err:
+        start_scaler_server(DemandBroadcaster(), 0, host="127.0.0.1", tls=files)
+    assert "SECRET-BYTES" not in str(err.value)
+    with pytest.raises(TLSConfigError):
+        start_scaler_server(DemandBroadcaster(), 0, host="127.0.0.1",
+                            tls=TLSFiles(str(tmp_path / "nope"), str(bogus), str(bogus)))
