@@ -6,7 +6,8 @@ The scaler runs in a separate process (bench/scaler_host.py), once natively (the
 scaler) and once inside a gevent-monkey-patched process (the gateway's in-process scaler). The
 client here issues 200 concurrent unary calls (GetMetrics / IsActive alternating, as grpc futures
 from one thread so the client's own threads don't add queueing) with 0 streams open (baseline) and
-with 128 StreamIsActive streams open, and reports p50/p99 and the ratio to the baseline. Push
+with 128 StreamIsActive streams open (baseline measured before and after: A-B-A), and reports
+p50/p99 and the ratio to the baseline. Push
 latency = receive time of the first `true` on a stream minus the host's publish time (both
 CLOCK_MONOTONIC). Bounded: every wait has a deadline; the whole run takes well under 2 minutes.
 """
@@ -64,6 +65,11 @@ class Host:
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return float(self.expect("published")[1])
 
+    def open_streams(self) -> int:
+        self.proc.stdin.write("streams\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return int(self.expect("streams")[1])
+
     def stop(self) -> None:
         try:
             self.proc.stdin.write("stop\n")  # type: ignore[union-attr]
@@ -72,6 +78,13 @@ class Host:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait(10)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc), to report server CPU per call next to latency."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def unary_burst(stub: pb_grpc.ExternalScalerStub) -> list[float]:
@@ -145,10 +158,15 @@ def run_mode(gevent: bool, rounds: int, pushes: int) -> dict[str, float]:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{host.port}") as channel:
             stub = pb_grpc.ExternalScalerStub(channel)
-            unary_burst(stub)  # warm-up (connection, code paths)
+            for _ in range(3):
+                unary_burst(stub)  # warm-up: connection, code paths, the pool's lazily started threads
+            cpu0 = process_cpu_seconds(host.proc.pid)
             base = [x for _ in range(rounds) for x in unary_burst(stub)]
+            base_cpu = process_cpu_seconds(host.proc.pid) - cpu0
             readers = StreamReaders(stub, STREAMS)
+            cpu0 = process_cpu_seconds(host.proc.pid)
             loaded = [x for _ in range(rounds) for x in unary_burst(stub)]
+            loaded_cpu = process_cpu_seconds(host.proc.pid) - cpu0
             first_push: list[float] = []
             all_push: list[float] = []
             for _ in range(pushes):
@@ -159,12 +177,21 @@ def run_mode(gevent: bool, rounds: int, pushes: int) -> dict[str, float]:
                 host.publish(0)
                 readers.wait_for(False, 30)
             readers.close()
+            deadline = time.monotonic() + 30
+            while host.open_streams() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # A-B-A: a second baseline after the streams closed, so drift (warm-up, a noisy
+            # neighbour) shows up as two differing baselines rather than as a fake ratio.
+            cpu0 = process_cpu_seconds(host.proc.pid)
+            base += [x for _ in range(rounds) for x in unary_burst(stub)]
+            base_cpu += process_cpu_seconds(host.proc.pid) - cpu0
     finally:
         host.stop()
     results.update(
         base_p50=pct(base, 50), base_p99=pct(base, 99), loaded_p50=pct(loaded, 50), loaded_p99=pct(loaded, 99),
         first_push_p50=pct(first_push, 50), first_push_p99=pct(first_push, 99),
         all_push_p50=pct(all_push, 50), all_push_p99=pct(all_push, 99), calls=len(loaded),
+        base_cpu_us=base_cpu / len(base) * 1e6, loaded_cpu_us=loaded_cpu / len(loaded) * 1e6,
     )
     return results
 
@@ -175,15 +202,17 @@ def main() -> int:
     parser.add_argument("--pushes", type=int, default=30, help="idle→active publishes to time")
     args = parser.parse_args()
     ms = 1000.0
+    load = os.getloadavg()[0]
     print(f"scaler bench: {CONCURRENT} concurrent unary calls x {args.rounds} rounds; {STREAMS} open streams; "
-          f"{args.pushes} publishes; {os.cpu_count()} CPUs")
+          f"{args.pushes} publishes; {os.cpu_count()} CPUs; load average {load:.2f} at start")
     for label, gevent in (("native threads (aggregate scaler)", False), ("gevent-patched (gateway local)", True)):
         t0 = time.monotonic()
         r = run_mode(gevent, args.rounds, args.pushes)
         print(f"\n[{label}] ({time.monotonic() - t0:.1f} s)")
-        print(f"  unary, 0 streams:     p50 {r['base_p50'] * ms:7.2f} ms   p99 {r['base_p99'] * ms:7.2f} ms")
+        print(f"  unary, 0 streams:     p50 {r['base_p50'] * ms:7.2f} ms   p99 {r['base_p99'] * ms:7.2f} ms"
+              f"   server CPU {r['base_cpu_us']:4.0f} us/call")
         print(f"  unary, {STREAMS} streams:   p50 {r['loaded_p50'] * ms:7.2f} ms   p99 {r['loaded_p99'] * ms:7.2f} ms"
-              f"   ({int(r['calls'])} calls)")
+              f"   server CPU {r['loaded_cpu_us']:4.0f} us/call   ({int(r['calls'])} calls)")
         print(f"  ratio loaded/baseline: p50 x{r['loaded_p50'] / r['base_p50']:.2f}   "
               f"p99 x{r['loaded_p99'] / r['base_p99']:.2f}   (target: p99 < 100 ms with {STREAMS} streams)")
         print(f"  publish -> first pushed true (any stream):  p50 {r['first_push_p50'] * ms:6.2f} ms   "

@@ -24,7 +24,9 @@ from scaler.demand import DemandBroadcaster  # noqa: E402
 log = logging.getLogger("noctaya.gateway")
 
 
-def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list[Callable[[], None]]:
+def _start_scaler(
+    config: GatewayConfig, broadcaster: DemandBroadcaster, server: GatewayServer
+) -> list[Callable[[], None]]:
     """Start the demand sink of the configured scaler mode; returns its shutdown steps."""
     if config.scaler_mode == "local":
         from scaler.service import start_scaler_server
@@ -37,6 +39,7 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list
             broadcaster, config.scaler_port, metric_name=config.metric_name,
             target=config.scaling_target, tls=tls,
         )
+        server.app.metrics.registry.register(scaler.collector())  # one /metrics for both
         return [lambda: scaler.stop(grace=2.0)]
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
@@ -57,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     broadcaster = DemandBroadcaster()
     server = GatewayServer(config, broadcaster)
     try:
-        shutdown_steps = _start_scaler(config, broadcaster)
+        # Before anything else touches grpc: start_scaler_server switches grpc to gevent mode.
+        shutdown_steps = _start_scaler(config, broadcaster, server)
     except Exception as exc:
         log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
         return 1

@@ -309,7 +309,7 @@ class GatewayApp:
             self.pool, environ.get("REQUEST_METHOD", "GET"), self._target(environ),
             _upstream_headers(environ, self.config.backend_netloc), body, rest,
             body_length=length, max_body_bytes=self.config.max_body_bytes,
-            on_first_byte=self.metrics.ttfb.observe,
+            on_first_byte=self.metrics.ttfb.observe, client_sock=environ.get("noctaya.socket"),
         )
 
     def _client_gone(self, environ: dict[str, Any]) -> Callable[[], bool]:

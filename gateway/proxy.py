@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import gevent
 import gevent.socket
 
 from gateway.state.readiness import ProbeResult
@@ -188,6 +189,8 @@ class UpstreamResponse:
             while True:
                 chunk = resp.read1(READ_CHUNK)
                 if not chunk:
+                    if resp.length:  # EOF before the declared Content-Length: truncated
+                        raise http.client.IncompleteRead(b"", resp.length)
                     break
                 yield chunk
                 if resp.length == 0:  # Content-Length body complete (read1 does not close it)
@@ -254,6 +257,7 @@ def forward(
     body_length: int | None = None,
     max_body_bytes: int = 8 * 1024 * 1024,
     on_first_byte: Callable[[float], None] | None = None,
+    client_sock: std_socket.socket | None = None,
 ) -> UpstreamResponse:
     """Send one request and return the response head. ``body`` is sent with the head; the optional
     ``body_rest`` iterator streams the remainder (``body_length`` known = Content-Length framing,
@@ -288,14 +292,32 @@ def forward(
     except (OSError, http.client.HTTPException) as exc:
         conn.close()
         raise UpstreamFailed(f"sending request: {type(exc).__name__}") from None
+    # While the backend thinks (a non-streamed completion can take minutes), watch the client:
+    # if it hangs up, close the backend connection so the backend stops generating.
+    watcher = gevent.spawn(_hang_up_when_client_leaves, client_sock, conn) if client_sock is not None else None
     try:
         resp = conn.getresponse()
     except (OSError, http.client.HTTPException) as exc:
         conn.close()
         raise UpstreamFailed(f"reading response head: {type(exc).__name__}") from None
+    finally:
+        if watcher is not None:
+            watcher.kill(block=False)
     if on_first_byte is not None:
         on_first_byte(time.monotonic() - started)
     return UpstreamResponse(pool, conn, resp)
+
+
+def _hang_up_when_client_leaves(client_sock: std_socket.socket, conn: _Connection) -> None:
+    try:
+        gevent.socket.wait_read(client_sock.fileno())
+    except Exception:  # socket closed under us, or killed: nothing to do
+        return
+    if client_gone(client_sock) and conn.sock is not None:
+        try:
+            conn.sock.shutdown(std_socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def probe_readiness(pool: UpstreamPool, path: str, host_header: str, timeout: float) -> ProbeResult:

@@ -64,6 +64,13 @@ def _env_int(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {raw}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     _prepare_multiprocess_metrics()
     logging.basicConfig(
@@ -137,16 +144,20 @@ def cmd_render(args: argparse.Namespace) -> int:
     import yaml
 
     documents: list[dict[str, Any]] = []
+    sources: list[str] = []
     for path in _yaml_files(args.paths):
-        documents.extend(_load_documents(path))
+        loaded = _load_documents(path)
+        documents.extend(loaded)
+        sources.extend(str(path) for _ in loaded)
     if not documents:
         raise CliError(f"no documents found in {', '.join(args.paths)}")
     from hooks.render import RenderError, render_documents  # after parsing: file errors come first
 
     try:
-        rendered = render_documents(documents)
+        # `sources` lets the renderer name the file of the object it rejects.
+        rendered = render_documents(documents, sources=sources)
     except RenderError as exc:
-        raise CliError(f"{', '.join(args.paths)}: {exc}") from exc
+        raise CliError(str(exc)) from exc
     sys.stdout.write(
         yaml.safe_dump_all(rendered, sort_keys=False, default_flow_style=False, explicit_start=True)
     )
@@ -223,25 +234,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--workers",
-        type=int,
+        type=_positive_int,
         default=_env_int(WORKERS_ENV, 2),
         help=f"worker processes (default %(default)s; env {WORKERS_ENV})",
     )
     serve.add_argument(
         "--threads",
-        type=int,
+        type=_positive_int,
         default=_env_int(THREADS_ENV, 4),
         help=f"threads per worker (default %(default)s; env {THREADS_ENV})",
     )
     serve.add_argument(
         "--timeout",
-        type=int,
+        type=_positive_int,
         default=30,
         help="seconds before a silent worker is restarted (default %(default)s)",
     )
     serve.add_argument(
         "--graceful-timeout",
-        type=int,
+        type=_positive_int,
         default=20,
         help="seconds in-flight calls get after SIGTERM (default %(default)s)",
     )

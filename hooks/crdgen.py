@@ -7,8 +7,9 @@ int-or-string quantities in the one `anyOf` form Kubernetes accepts, nested defa
 `kubectl get -o yaml` shows them, and each model's cross-field `Rule`s as
 `x-kubernetes-validations`.
 
-Entry points: `generate_crds()`, `write_crds(out_dir)` (wired to `python -m hooks crds --out crds`)
-and `generate_api_reference()` (docs/api.md). Output is deterministic: property order is model
+Entry points: `generate_crds()`, `write_crds(out_dir)` (wired to `python -m hooks crds --out crds`),
+`generate_api_reference()` / `write_api_reference(path)` (docs/api.md; also
+`python -m hooks.crdgen --out crds --api-reference docs/api.md`). Output is deterministic: property order is model
 field order, everything else a fixed key order.
 """
 
@@ -123,15 +124,23 @@ class _KubeSchemaGenerator(GenerateJsonSchema):
             return super().get_default_value(schema)
         value = factory()
         if isinstance(value, BaseModel):
-            # `{}` lets the API server apply the nested defaults, which then equal the factory's
-            # object; check that so a factory with non-default arguments cannot be misrepresented.
-            if type(value).model_validate({}) != value:
-                raise CRDGenerationError(f"default_factory of {type(value).__name__} is not its defaults")
-            return {}
+            # The whole defaulted object, not `{}`: the API server checks a default against the
+            # node's CEL rules as written, without first filling in the nested defaults.
+            return _without_empty(value.model_dump(by_alias=True, exclude_none=True, mode="json"))
         if isinstance(value, list | dict) and not value:
             # Empty collections stay absent (Kubernetes style); rules guard them with has().
             return NoDefault
         return value
+
+
+def _without_empty(value: Any) -> Any:
+    """Drop empty lists and maps: Kubernetes leaves them absent rather than defaulting to them."""
+    if isinstance(value, dict):
+        pruned = {k: _without_empty(v) for k, v in value.items()}
+        return {k: v for k, v in pruned.items() if v not in ({}, [])}
+    if isinstance(value, list):
+        return [_without_empty(v) for v in value]
+    return value
 
 
 def _ordered(node: dict[str, Any]) -> dict[str, Any]:
@@ -375,7 +384,9 @@ def _constraints(node: dict[str, Any]) -> list[str]:
         notes.append(f"length ≤ {target['maxLength']}")
     if "maxItems" in node:
         notes.append(f"at most {node['maxItems']} items")
-    if "pattern" in target and not target.get("x-kubernetes-int-or-string"):
+    if target.get("x-kubernetes-int-or-string") and "pattern" in target:
+        notes.append("a Kubernetes quantity such as `4`, `500m` or `16Gi`")
+    elif "pattern" in target:
         notes.append(f"pattern `{target['pattern']}`")
     return notes
 
@@ -469,6 +480,13 @@ def generate_api_reference() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def write_api_reference(path: str | Path) -> Path:
+    """Write `generate_api_reference()` to path (docs/api.md in the repository)."""
+    out = Path(path)
+    out.write_text(generate_api_reference(), encoding="utf-8")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hooks.crdgen", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="crds", help="directory for the CRD YAML (default: crds)")
@@ -477,8 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in write_crds(args.out):
         print(path)
     if args.api_reference:
-        Path(args.api_reference).write_text(generate_api_reference(), encoding="utf-8")
-        print(args.api_reference)
+        print(write_api_reference(args.api_reference))
     return 0
 
 

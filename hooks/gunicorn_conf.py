@@ -8,6 +8,10 @@ handshake. ``gthread`` keeps idle keep-alive connections in a poller (not in a t
 each request on a bounded thread pool. The hooks are pure CPU-bound Python, so parallelism comes
 from worker *processes*; threads only keep a worker responsive. ``gevent`` would buy nothing for a
 server that never waits on I/O of its own.
+
+Known limit (gunicorn's, not ours): a *new* connection that sends nothing holds a worker thread
+for up to 5 s before gunicorn parks it, so a burst of silent connections delays hook calls. Only
+Metacontroller and Prometheus need to reach this server; examples/security restricts it to them.
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ def _aggregate(args: argparse.Namespace) -> int:
     broadcaster = DemandBroadcaster()
     aggregator = Aggregator(settings, broadcaster)
     scaler = start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=scaler_settings)
+    aggregator.registry.register(scaler.collector())
     aggregator.start(args.host, args.report_port)
     print(f"aggregate scaler: reports on {args.host}:{aggregator.port}, gRPC on {args.host}:{scaler.port}",
           file=sys.stderr, flush=True)

@@ -129,10 +129,12 @@ def _make_waiter() -> _Waiter:
 
 
 class DemandBroadcaster:
-    """Latest Demand plus a version that increases on every change.
+    """Latest Demand plus two versions: ``version`` increases on every change, ``activity_version``
+    only when ``Demand.active`` flips.
 
     ``publish`` of a value equal to the current one is not a change (no version bump, nobody
-    woken), so every version a waiter sees is a real transition worth pushing to KEDA.
+    woken). Waiters that only care about the active flag (StreamIsActive pushes) wait on the
+    activity version and are not woken by the in-flight +1/-1 of every warm request.
     """
 
     DEFAULT_MAX_WAITERS = 4096
@@ -144,7 +146,9 @@ class DemandBroadcaster:
         self._lock = _original("_thread", "allocate_lock")()
         self._demand = initial
         self._version = 0
-        self._waiters: set[_Waiter] = set()
+        self._activity_version = 0
+        self._waiters: set[_Waiter] = set()  # woken on every change
+        self._activity_waiters: set[_Waiter] = set()  # woken when the active flag flips
         self._max_waiters = max_waiters
 
     @property
@@ -152,17 +156,30 @@ class DemandBroadcaster:
         with self._lock:
             return self._version
 
+    @property
+    def activity_version(self) -> int:
+        with self._lock:
+            return self._activity_version
+
     def publish(self, demand: Demand) -> bool:
-        """Set the current demand; wake every waiter if it changed. Returns True on a change."""
+        """Set the current demand; wake the waiters it concerns. Returns True on a change."""
         if not isinstance(demand, Demand):
             raise TypeError("publish() takes a Demand")
         with self._lock:
             if demand == self._demand:
                 return False
+            flipped = demand.active != self._demand.active
             self._demand = demand
             self._version += 1
             waiters, self._waiters = self._waiters, set()
+            if flipped:
+                self._activity_version += 1
+                activity_waiters, self._activity_waiters = self._activity_waiters, set()
+            else:
+                activity_waiters = set()
         for waiter in waiters:
+            waiter.wake()
+        for waiter in activity_waiters:
             waiter.wake()
         return True
 
@@ -178,29 +195,45 @@ class DemandBroadcaster:
     def wait_for_change(self, seen_version: int, timeout: float) -> tuple[int, Demand]:
         """Block until the version differs from ``seen_version`` or ``timeout`` seconds pass, then
         return the current (version, demand); the caller compares versions to tell which."""
+        return self._wait(False, seen_version, timeout)
+
+    def wait_for_activity_change(self, seen_activity_version: int, timeout: float) -> tuple[int, Demand]:
+        """Like ``wait_for_change`` but on ``activity_version``: returns (activity_version, demand)
+        once the active flag flipped since ``seen_activity_version``, or at the timeout."""
+        return self._wait(True, seen_activity_version, timeout)
+
+    def _read(self, activity: bool) -> tuple[int, Demand]:  # caller holds the lock
+        return (self._activity_version if activity else self._version), self._demand
+
+    def _wait(self, activity: bool, seen: int, timeout: float) -> tuple[int, Demand]:
         timeout = min(max(0.0, float(timeout)), self.MAX_WAIT_SECONDS)
         with self._lock:
-            if self._version != seen_version or timeout == 0.0:
-                return self._version, self._demand
+            version, demand = self._read(activity)
+            if version != seen or timeout == 0.0:
+                return version, demand
         waiter = _make_waiter()  # outside the lock: may import gevent.event on first use
         with self._lock:
-            if self._version != seen_version:
-                return self._version, self._demand
-            if len(self._waiters) >= self._max_waiters:
+            version, demand = self._read(activity)
+            if version != seen:
+                return version, demand
+            if len(self._waiters) + len(self._activity_waiters) >= self._max_waiters:
                 raise TooManyWaiters(f"more than {self._max_waiters} concurrent waiters")
-            self._waiters.add(waiter)
+            registry = self._activity_waiters if activity else self._waiters
+            registry.add(waiter)
         try:
             waiter.wait(timeout)
         finally:
             with self._lock:
-                self._waiters.discard(waiter)
-        return self.snapshot()
+                registry.discard(waiter)
+        with self._lock:
+            return self._read(activity)
 
     def interrupt_waiters(self) -> int:
         """Wake every current waiter without a change (its wait returns the same version), so a
         stream can notice its own cancellation or a server shutdown at once. Returns how many."""
         with self._lock:
-            waiters, self._waiters = self._waiters, set()
+            waiters = self._waiters | self._activity_waiters
+            self._waiters, self._activity_waiters = set(), set()
         for waiter in waiters:
             waiter.wake()
         return len(waiters)
@@ -208,4 +241,4 @@ class DemandBroadcaster:
     @property
     def waiter_count(self) -> int:
         with self._lock:
-            return len(self._waiters)
+            return len(self._waiters) + len(self._activity_waiters)

@@ -9,8 +9,10 @@ Behaviour that KEDA relies on (SPEC §7):
   GetMetrics. A stream never ends with an error because the demand source failed (KEDA backs off
   up to 60 s after a broken stream); it ends with OK when the server stops.
 * IsActive, GetMetricSpec and GetMetrics answer from memory. grpcio's sync server holds one pool
-  thread per open stream, so the pool is sized ``max_streams + unary_workers`` and streams beyond
-  ``max_streams`` are refused: unary calls always keep ``unary_workers`` threads.
+  thread per open stream, so streams run on their own pool (grpcio's per-handler
+  ``experimental_thread_pool`` hook) and unary calls on a small separate one: streams can never
+  take a unary thread. Streams beyond ``max_streams`` are refused with RESOURCE_EXHAUSTED. (If a
+  grpcio without that hook is installed, one pool of ``max_streams + unary_workers`` is used.)
 * StreamMetricSpec answers UNIMPLEMENTED: the spec is static, KEDA then silently keeps polling
   GetMetricSpec, and no pool thread is spent holding a stream that would never send twice.
 
@@ -26,11 +28,14 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
@@ -70,7 +75,7 @@ class ScalerSettings:
     target: int = 10
     resend_interval: float = 5.0  # re-send `true` at most this often while active
     max_streams: int = 256  # open StreamIsActive streams (KEDA opens one per ScaledObject trigger)
-    unary_workers: int = 32  # pool threads that streams can never take
+    unary_workers: int = 4  # unary handlers never block: a few threads beat many (less GIL convoy)
     max_pending_rpcs: int = 1024  # unary calls queued beyond the workers before RESOURCE_EXHAUSTED
     wait_slice: float = 1.0  # upper bound of one wait, so a missed interrupt costs at most this
 
@@ -105,7 +110,16 @@ class _RateLimitedLog:
 
 
 class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
-    def __init__(self, source: DemandBroadcaster, settings: ScalerSettings) -> None:
+    def __init__(
+        self,
+        source: DemandBroadcaster,
+        settings: ScalerSettings,
+        stream_pool: futures.ThreadPoolExecutor | None = None,
+    ) -> None:
+        if stream_pool is not None:
+            # grpcio runs a handler whose behaviour carries `experimental_thread_pool` on that pool:
+            # streams get their own pool and can never occupy the threads of unary calls.
+            self.StreamIsActive = _on_pool(self._stream_is_active, stream_pool)  # type: ignore[method-assign]
         self._source = source
         self._settings = settings
         self._stopping = False
@@ -113,8 +127,22 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         self._open_streams = 0
         self._last_good: Demand | None = None
         self._source_errors = _RateLimitedLog()
-        self.source_error_count = 0
-        self.pushes = 0
+        self._counters_lock = threading.Lock()
+        self._source_error_count = 0
+        self._pushes = 0
+
+    @property
+    def source_error_count(self) -> int:
+        return self._source_error_count
+
+    @property
+    def pushes(self) -> int:
+        return self._pushes
+
+    def _count(self, *, pushes: int = 0, errors: int = 0) -> None:
+        with self._counters_lock:
+            self._pushes += pushes
+            self._source_error_count += errors
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -142,7 +170,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         try:
             demand = self._source.current()
         except Exception as exc:
-            self.source_error_count += 1
+            self._count(errors=1)
             self._source_errors.warning("demand source failed: %s", type(exc).__name__)
             if self._last_good is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "demand not known yet")
@@ -186,6 +214,11 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     def StreamIsActive(
         self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
     ) -> Iterator[pb.IsActiveResponse]:
+        return self._stream_is_active(request, context)
+
+    def _stream_is_active(
+        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
+    ) -> Iterator[pb.IsActiveResponse]:
         with self._streams_lock:
             admitted = not self._stopping and self._open_streams < self._settings.max_streams
             if admitted:
@@ -202,6 +235,7 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
 
     def _stream_active(self, context: grpc.ServicerContext) -> Iterator[pb.IsActiveResponse]:
         settings = self._settings
+        # Only flips of the active flag (and the resend timer) wake a stream, not every count change.
         seen_version = -1  # no version is -1: the first wait returns the current state at once
         sent: bool | None = None
         sent_at = 0.0
@@ -212,10 +246,10 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
             else:
                 timeout = settings.wait_slice
             try:
-                seen_version, demand = self._source.wait_for_change(seen_version, timeout)
+                seen_version, demand = self._source.wait_for_activity_change(seen_version, timeout)
             except Exception as exc:
                 # Transient by assumption: log, back off briefly, keep the stream open.
-                self.source_error_count += 1
+                self._count(errors=1)
                 self._source_errors.warning("demand source failed in StreamIsActive: %s", type(exc).__name__)
                 self._sleep_unless_stopping(backoff)
                 backoff = min(backoff * 2, 1.0)
@@ -228,13 +262,28 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
             now = time.monotonic()
             if active != sent or (active and now - sent_at >= settings.resend_interval):
                 sent, sent_at = active, now
-                self.pushes += 1
+                self._count(pushes=1)
                 yield pb.IsActiveResponse(result=active)
 
     def _sleep_unless_stopping(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while not self._stopping and (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, 0.05))
+
+
+def _on_pool(handler: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> Callable[..., Any]:
+    def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+        return handler(request, context)
+
+    behaviour.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return behaviour
+
+
+def _per_method_pools_supported() -> bool:
+    """grpcio's (experimental) per-handler pool hook, present since 1.5x; checked, not assumed."""
+    from grpc import _server
+
+    return hasattr(_server, "_select_thread_pool_for_behavior")
 
 
 def ensure_grpc_gevent_compat() -> bool:
@@ -255,15 +304,18 @@ def ensure_grpc_gevent_compat() -> bool:
 
 
 _GEVENT_INITIALISED = False
+_REFUSAL_THREADS = 4
 
 
 class ScalerServer:
     """A running ExternalScaler gRPC server."""
 
-    def __init__(self, server: grpc.Server, servicer: ExternalScalerServicer, port: int) -> None:
+    def __init__(self, server: grpc.Server, servicer: ExternalScalerServicer, port: int,
+                 pools: Sequence[futures.ThreadPoolExecutor] = ()) -> None:
         self._server = server
         self.servicer = servicer
         self.port = port
+        self._pools = tuple(pools)
         self._stopped = False
 
     def stop(self, grace: float = 5.0) -> None:
@@ -272,15 +324,37 @@ class ScalerServer:
             return
         self._stopped = True
         self.servicer.begin_shutdown()
-        # Streams return within wait_slice even if an interrupt was missed; wait for that (bounded
-        # by grace) before grpc's own stop, which would cancel whatever is still running.
+        # Wait (bounded by grace) for the streams to return before grpc's own stop, which would
+        # cancel whatever is still running. Interrupt again each round: a stream that was between
+        # its stop check and its wait when the first interrupt went out is caught by the next.
         deadline = time.monotonic() + max(0.0, grace)
         while self.servicer.open_streams and time.monotonic() < deadline:
             time.sleep(0.01)
+            self.servicer.begin_shutdown()
         self._server.stop(max(0.0, deadline - time.monotonic())).wait(grace + 1.0)
+        for pool in self._pools:  # release the idle worker threads
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._server.wait_for_termination(timeout)
+
+    def collector(self) -> Collector:
+        """Prometheus collector of this server's stream/push/error counts (register it where the
+        process exposes /metrics)."""
+        return _ScalerCollector(self.servicer)
+
+
+class _ScalerCollector(Collector):
+    def __init__(self, servicer: ExternalScalerServicer) -> None:
+        self._servicer = servicer
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("noctaya_scaler_streams_open", "Open StreamIsActive streams",
+                                value=self._servicer.open_streams)
+        yield CounterMetricFamily("noctaya_scaler_pushes", "IsActive messages sent on streams",
+                                  value=self._servicer.pushes)
+        yield CounterMetricFamily("noctaya_scaler_demand_source_errors", "Failed reads of the demand source",
+                                  value=self._servicer.source_error_count)
 
 
 def start_scaler_server(
@@ -302,10 +376,16 @@ def start_scaler_server(
     gevent_mode = ensure_grpc_gevent_compat()
     # Credentials first: bad TLS material fails before any server or pool exists.
     creds = server_credentials(tls) if isinstance(tls, TLSFiles) else tls
-    servicer = ExternalScalerServicer(broadcaster, settings)
-    pool = futures.ThreadPoolExecutor(
-        max_workers=settings.max_streams + settings.unary_workers, thread_name_prefix="noctaya-scaler"
-    )
+    if _per_method_pools_supported():
+        # + a few threads that only ever answer RESOURCE_EXHAUSTED to streams over the cap, at once
+        stream_pool = futures.ThreadPoolExecutor(settings.max_streams + _REFUSAL_THREADS,
+                                                 thread_name_prefix="noctaya-scaler-stream")
+        pool = futures.ThreadPoolExecutor(settings.unary_workers, thread_name_prefix="noctaya-scaler-unary")
+    else:  # one shared pool, sized so that max_streams open streams still leave unary_workers free
+        stream_pool = None
+        pool = futures.ThreadPoolExecutor(settings.max_streams + settings.unary_workers,
+                                          thread_name_prefix="noctaya-scaler")
+    servicer = ExternalScalerServicer(broadcaster, settings, stream_pool)
     server = grpc.server(
         pool,
         maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers + settings.max_pending_rpcs,
@@ -317,14 +397,18 @@ def start_scaler_server(
     )
     pb_grpc.add_ExternalScalerServicer_to_server(servicer, server)
     address = f"{host}:{port}"
+    pools = [p for p in (pool, stream_pool) if p is not None]
     try:
         bound = server.add_insecure_port(address) if creds is None else server.add_secure_port(address, creds)
     except RuntimeError as exc:  # grpcio raises instead of returning 0 on a failed bind
-        server.stop(None)
-        raise OSError(f"cannot bind the gRPC scaler to {address}: {exc}") from None
+        bound, reason = 0, f": {exc}"
+    else:
+        reason = ""
     if not bound:
         server.stop(None)
-        raise OSError(f"cannot bind the gRPC scaler to {address}")
+        for p in pools:
+            p.shutdown(wait=False)
+        raise OSError(f"cannot bind the gRPC scaler to {address}{reason}")
     server.start()
     log.info("ExternalScaler listening on %s:%d (tls=%s, gevent=%s)", host, bound, tls is not None, gevent_mode)
-    return ScalerServer(server, servicer, bound)
+    return ScalerServer(server, servicer, bound, pools)

@@ -64,7 +64,8 @@ class ReadinessProber:
 
     ``step()`` is one probe + report and returns the delay before the next one, so tests can
     run the loop by hand; ``run()`` is the greenlet body. ``kick()`` wakes a parked prober (called
-    on admissions); it never adds a probe to a prober that is already running.
+    on admissions and when the forwarder finds the backend gone); it never adds a probe to a
+    prober that is already running on the cold cadence.
     """
 
     def __init__(
@@ -109,17 +110,28 @@ class ReadinessProber:
         self.kick()
 
     def run(self) -> None:
-        import gevent
+        import time
+
         import gevent.event
 
         self._wake = gevent.event.Event()
         while not self._stopped:
+            probed_at = time.monotonic()
             delay = self.step()
-            if delay is not None:
-                # Fixed cadence while wanted: admissions do not trigger extra probes.
-                gevent.sleep(delay)
+            if delay is None:
+                self._wake.clear()
+                # Re-check after clear(): an admission between step() and clear() must not be lost.
+                if not self._stopped and not self._wanted():
+                    self._wake.wait()
                 continue
-            self._wake.clear()
-            # Re-check after clear(): an admission between step() and clear() must not be lost.
-            if not self._stopped and not self._wanted():
-                self._wake.wait()
+            # Fixed cadence while wanted: a kick never adds a probe, it only lets a warm-cadence
+            # wait shrink to the cold cadence when the forwarder just found the backend gone.
+            due = probed_at + delay
+            while not self._stopped:
+                remaining = due - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._wake.clear()
+                self._wake.wait(remaining)
+                if not self._is_ready():
+                    due = min(due, probed_at + self.interval_cold)

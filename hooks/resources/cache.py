@@ -18,6 +18,7 @@ from hooks.resources.context import RenderContext
 from hooks.runtime.pod import CacheMount
 
 SPEC_HASH = "serving.noctaya.io/spec-hash"
+PVC_SOURCE_SCRATCH = "1Gi"
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ def plan(ctx: RenderContext) -> CachePlan:
     if source.scheme == "oci":
         pending.append("oci:// staging")
 
+    if source.scheme == "pvc" and cache.strategy != "HostPath":
+        # Pre-staged weights are mounted from their own claim; the cache only holds engine scratch.
+        mount = CacheMount({"emptyDir": {"sizeLimit": PVC_SOURCE_SCRATCH}})
+        return CachePlan(mount, None, "True", Reason.CACHE_NOT_USED, "pvc:// weights are pre-staged; no cache needed")
     if cache.strategy == "None":
         mount = CacheMount({"emptyDir": {"sizeLimit": cache.size}})
         result = CachePlan(mount, None, "True", Reason.CACHE_NOT_USED, "no cache: weights are fetched on every start")

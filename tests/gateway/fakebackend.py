@@ -122,6 +122,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
             return
+        if b.response_delay:
+            time.sleep(b.response_delay)  # a long non-streamed generation
         text = " ".join(words)
         if chat:
             result = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
@@ -185,6 +187,7 @@ class FakeBackend:
         self.ready = True
         self.tokens = 5
         self.stream_delay = 0.0
+        self.response_delay = 0.0
         self.die_mid_response = False
         self.health_checks = 0
         self.client_disconnects = 0

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import openai
 import pytest
 import requests
+
+from tests.gateway.conftest import wait_for
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -16,14 +19,10 @@ def test_wrong_or_missing_key_is_401_without_consuming_a_slot(backend, make_gate
     key.write_text("first-key\n")
     gw = make_gateway(backend, auth_key_file=str(key), max_queue=1)
     # Occupy the only slot with a cold request that waits.
-    import threading
-
     held = threading.Thread(target=lambda: requests.post(
         gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES},
         headers={"Authorization": "Bearer first-key"}, timeout=30), daemon=True)
     held.start()
-    from tests.gateway.conftest import wait_for
-
     wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["queued"] == 1, what="held")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "first-key"}):
         resp = requests.post(gw.url + "/v1/chat/completions", json={"model": "m"}, headers=headers, timeout=10)

@@ -135,3 +135,19 @@ def test_backend_scaled_to_zero_between_requests_turns_next_request_cold(backend
     out = c.chat.completions.create(model="m", messages=MESSAGES)  # refused -> held as cold -> served
     assert out.choices[0].message.content == EXPECTED
     assert gw.call(lambda: gw.app.metrics.cold_requests._value.get()) >= 2
+
+
+def test_metrics_cover_codes_cold_activation_ttfb_and_readiness(backend, make_gateway) -> None:
+    gw = make_gateway(backend, max_queue=1)
+    start_later(backend, 0.3)
+    client(gw).chat.completions.create(model="m", messages=MESSAGES)
+    requests.get(gw.url + "/nope", timeout=5)
+    text = requests.get(gw.url + "/metrics", timeout=5).text
+    assert 'noctaya_gateway_requests_total{code="200"} 1.0' in text
+    assert 'noctaya_gateway_requests_total{code="404"} 1.0' in text
+    assert "noctaya_gateway_cold_requests_total 1.0" in text
+    assert "noctaya_gateway_activation_duration_seconds_count 1.0" in text
+    assert "noctaya_gateway_time_to_first_byte_seconds_count 1.0" in text
+    assert "noctaya_gateway_backend_ready 1.0" in text
+    assert "noctaya_gateway_queue_depth 0.0" in text and "noctaya_gateway_in_flight 0.0" in text
+    assert 'noctaya_gateway_rejections_total{reason="queue_full"} 0.0' in text

@@ -6,12 +6,14 @@ import http.client
 import json
 import os
 import socket
+import threading
 import time
 
 import openai
 import pytest
 import requests
 
+from gateway.state.readiness import ProbeResult
 from tests.gateway.conftest import wait_for
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -72,8 +74,10 @@ def test_backend_dying_mid_response_is_502_or_error_event(backend, make_gateway)
     c.embeddings.create(model="m", input="warm-up")
     backend.die_mid_response = True
     # Non-streamed: the head was committed, so the client sees a truncated body.
-    with pytest.raises(openai.APIConnectionError):
+    started = time.monotonic()
+    with pytest.raises(openai.APIConnectionError) as info:
         c.chat.completions.create(model="m", messages=MESSAGES)
+    assert not isinstance(info.value, openai.APITimeoutError) and time.monotonic() - started < 10
     # Streamed: the committed SSE stream ends with an error event the client raises.
     with pytest.raises(openai.APIError, match="failed while serving"):
         for _ in c.chat.completions.create(model="m", messages=MESSAGES, stream=True):
@@ -87,16 +91,17 @@ def test_backend_dying_mid_response_is_502_or_error_event(backend, make_gateway)
     dead.bind(("127.0.0.1", backend.port))
     dead.listen(16)
 
-    def accept_and_drop() -> None:
-        conn, _ = dead.accept()
-        conn.recv(65536)
-        conn.close()
-
-    import threading
+    def accept_and_drop() -> None:  # reads each request, answers nothing, hangs up
+        while True:
+            try:
+                conn, _ = dead.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.close()
 
     threading.Thread(target=accept_and_drop, daemon=True).start()
-    gw.call(lambda: gw.app.activation.readiness.record(__import__("gateway.state.readiness", fromlist=["x"])
-                                                       .ProbeResult.READY, 0) or None)
+    gw.call(lambda: gw.app.activation.report_probe(ProbeResult.READY))
     gw.call(lambda: gw.app.pool.clear())
     resp = requests.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=10)
     dead.close()
@@ -113,7 +118,7 @@ def test_client_disconnect_reaches_the_backend(backend, make_gateway) -> None:
     body = json.dumps({"model": "m", "messages": MESSAGES, "stream": True})
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()
-    assert resp.status == 200 and resp.read1(100).startswith(b"data: ") or True
+    assert resp.status == 200 and resp.read1(100).startswith(b"data: ")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     wait_for(lambda: backend.client_disconnects >= 1, timeout=20, what="backend saw the disconnect")
@@ -132,3 +137,19 @@ def test_unknown_paths_and_keepalive_reuse(backend, make_gateway) -> None:
     started = time.monotonic()
     assert requests.get(gw.url + "/v1/models", timeout=5).json()["data"][0]["owned_by"] == "fake-backend"
     assert time.monotonic() - started < 5
+
+
+def test_client_disconnect_during_a_long_non_streamed_answer_frees_the_slot(backend, make_gateway) -> None:
+    backend.start()
+    gw = make_gateway(backend)
+    requests.post(gw.url + "/v1/embeddings", json={"input": "a"}, timeout=10)  # warm
+    backend.response_delay = 30.0
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "messages": MESSAGES}),
+                 {"Content-Type": "application/json"})
+    wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["inFlight"] == 1, what="in flight")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    # The backend connection is hung up at once (not after the 30 s answer), freeing the slot.
+    wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["inFlight"] == 0, timeout=15,
+             what="slot released after client hang-up")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
 
+import gevent
 import pytest
 
 from gateway.auth import KeyFileAuthenticator
@@ -185,3 +187,31 @@ def test_error_bodies_are_openai_shaped() -> None:
     frame = sse_error_frame(ERRORS["activation_timeout"])
     assert frame.startswith(b"event: error\ndata: ") and frame.endswith(b"\n\n")
     assert json.loads(frame.split(b"data: ", 1)[1])["error"]["type"] == "activation_timeout"
+
+
+def test_prober_kick_shortens_a_warm_wait_only_when_backend_went_cold() -> None:
+    ready = {"v": True}
+    probes: list[float] = []
+
+    def probe() -> ProbeResult:
+        probes.append(time.monotonic())
+        return ProbeResult.READY if ready["v"] else ProbeResult.REFUSED
+
+    prober = ReadinessProber(probe, lambda r: None, lambda: True, lambda: ready["v"],
+                             interval_cold=0.05, interval_warm=30.0)
+    g = gevent.spawn(prober.run)
+    try:
+        deadline = time.monotonic() + 10
+        while not probes and time.monotonic() < deadline:
+            gevent.sleep(0.01)
+        prober.kick()  # still ready: the 30 s warm wait is not cut short
+        gevent.sleep(0.2)
+        assert len(probes) == 1
+        ready["v"] = False  # the forwarder found the backend gone
+        prober.kick()
+        while len(probes) < 3 and time.monotonic() < deadline:
+            gevent.sleep(0.01)
+        assert len(probes) >= 3  # back on the cold cadence, not after 30 s
+    finally:
+        prober.stop()
+        g.kill()

@@ -1,8 +1,8 @@
 """The hook server shell: HTTP contract, errors, auth, ETag, metrics, and a real gunicorn server.
 
-Stand-in hook functions are injected through ``create_app(handlers=...)`` so the shell is tested on
-its own; tests/hooks/test_app_e2e.py-style checks against the real hooks live at the end of this
-file and run once those modules exist.
+Most tests inject stand-in hook functions through ``create_app(handlers=...)`` so the shell is
+tested on its own; the tests at the end run the real hooks end to end (golden fixtures through
+HTTP, ``python -m hooks serve`` as a subprocess).
 """
 
 from __future__ import annotations
@@ -492,6 +492,35 @@ def test_real_gunicorn_serves_hooks_health_and_aggregated_metrics(stub_gunicorn)
     assert SECRET_DATA not in log_file.read_text()
 
 
+def test_idle_keepalive_connections_beyond_the_thread_count_do_not_block_hook_calls(stub_gunicorn) -> None:
+    """gthread parks idle keep-alive connections in a poller: 24 idle clients > 2 workers x 2 threads."""
+    base, _ = stub_gunicorn
+    auth = {"Authorization": "Bearer gunicorn-token"}
+    idle_sessions = [requests.Session() for _ in range(24)]
+    try:
+        for session in idle_sessions:  # one call each, then the connection stays open and idle
+            assert session.get(f"{base}/healthz", timeout=30).status_code == 200
+
+        def call(i: int) -> int:
+            response = requests.post(
+                f"{base}{SYNC}", json=sync_request(generation=i), headers=auth, timeout=30
+            )
+            return response.status_code
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            codes = list(pool.map(call, range(120)))
+        assert codes == [200] * 120
+        # Each parked connection would hold a thread for gunicorn's 5 s data wait if it were not
+        # parked; 24 of them on 4 threads would cost >= 30 s. Generous for a loaded CI machine.
+        assert time.monotonic() - started < 20.0
+        for session in idle_sessions:  # and the parked connections are still usable
+            assert session.get(f"{base}/healthz", timeout=30).status_code == 200
+    finally:
+        for session in idle_sessions:
+            session.close()
+
+
 def test_stub_gunicorn_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     proc, log_file = _start([sys.executable, "-c", STUB_SERVER], tmp_path)
     try:
@@ -506,18 +535,6 @@ def test_stub_gunicorn_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the real hooks, end to end
 
 
-def _real_hooks_importable() -> bool:
-    try:
-        load_default_handlers()
-    except ImportError:
-        return False
-    return True
-
-
-REAL_HOOKS = pytest.mark.skipif(not _real_hooks_importable(), reason="hook modules not written yet")
-
-
-@REAL_HOOKS
 def test_python_m_hooks_serve_answers_the_real_hooks(tmp_path: Path) -> None:
     from bench.hooks_bench import load_request
 
@@ -552,3 +569,79 @@ def test_python_m_hooks_serve_answers_the_real_hooks(tmp_path: Path) -> None:
         assert not list(scratch.glob("noctaya-hooks-metrics-*")), "metrics directory left behind"
     finally:
         _stop(proc)
+
+
+GOLDEN = ROOT / "tests" / "fixtures" / "hooks"
+# Fixture `hook` file → the path Metacontroller calls for it.
+PATH_OF_GOLDEN_HOOK = {
+    "customize": "/v1/llmservice/customize",
+    "sync": "/v1/llmservice/sync",
+    "finalize": "/v1/llmservice/finalize",
+    "autoscaling.customize": "/v1/llmservice/autoscaling/customize",
+    "autoscaling.sync": "/v1/llmservice/autoscaling/sync",
+    "runtime_status.sync": "/v1/inferenceruntime/sync",
+}
+
+
+def _golden_cases() -> list[str]:
+    if not GOLDEN.is_dir():
+        return []
+    return sorted(p.name for p in GOLDEN.iterdir() if (p / "request.json").is_file())
+
+
+@pytest.mark.parametrize("case", _golden_cases())
+def test_golden_fixture_through_http_returns_expected_bytes(case: str) -> None:
+    from tests.hooks import helpers
+
+    folder = GOLDEN / case
+    path = PATH_OF_GOLDEN_HOOK[(folder / "hook").read_text().strip()]
+    expected = json.loads((folder / "expected.json").read_text())
+    client = create_app(config=helpers.config(helpers.LATER_TIME)).test_client()
+    raw_request = (folder / "request.json").read_bytes()
+
+    response = client.post(path, data=raw_request, content_type="application/json")
+    assert response.status_code == 200, response.get_data(as_text=True)
+    assert response.get_json() == expected
+    assert response.get_data() == json.dumps(expected, separators=(",", ":")).encode()  # key order kept
+    assert response.headers["ETag"] == etag_for(response.get_data())
+    cached = client.post(
+        path,
+        data=raw_request,
+        content_type="application/json",
+        headers={"If-None-Match": response.headers["ETag"]},
+    )
+    assert (cached.status_code, cached.get_data()) == (304, b"")
+
+
+@pytest.mark.parametrize("path", [route.path for route in HOOK_ROUTES])
+@pytest.mark.parametrize(
+    "body", [b"{}", b'{"parent": []}', b'{"object": 3}'], ids=["empty-object", "parent-list", "object-number"]
+)
+def test_real_hooks_answer_unreadable_requests_with_400(path: str, body: bytes) -> None:
+    from tests.hooks import helpers
+
+    client = create_app(config=helpers.config()).test_client()
+    response = client.post(path, data=body, content_type="application/json")
+    assert response.status_code == 400, response.get_data(as_text=True)
+    assert response.get_json()["error"]["type"] == "bad_request"
+
+
+def test_serve_refuses_to_start_with_an_empty_token_file(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("\n")
+    proc, log_file = _start(
+        [sys.executable, "-m", "hooks", "serve", "--bind", "127.0.0.1:0", "--workers", "1"],
+        tmp_path,
+        {"NOCTAYA_HOOK_TOKEN_FILE": str(token_file)},
+    )
+    try:
+        assert proc.wait(timeout=60) != 0
+        output = log_file.read_text()
+        assert f"hook token file {token_file} is empty" in output
+        assert "Listening at" not in output  # preload: the app fails before any socket is bound
+    finally:
+        _stop(proc)
+
+
+def test_every_route_is_wired_to_a_real_hook() -> None:
+    assert set(load_default_handlers()) == {route.path for route in HOOK_ROUTES}

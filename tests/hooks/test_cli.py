@@ -14,8 +14,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run_cli(
+    *args: str, cwd: Path = ROOT, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "hooks", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
@@ -116,7 +118,6 @@ def test_crds_writes_files_identical_to_committed(tmp_path: Path) -> None:
 
 
 def test_render_example_llmservice_prints_its_children(tmp_path: Path) -> None:
-    pytest.importorskip("hooks.render")
     manifest = tmp_path / "qwen.yaml"
     manifest.write_text(
         yaml.safe_dump_all(
@@ -144,3 +145,39 @@ def test_render_example_llmservice_prints_its_children(tmp_path: Path) -> None:
     rendered = list(yaml.safe_load_all(result.stdout))
     assert rendered and all(isinstance(doc, dict) and doc.get("kind") for doc in rendered)
     assert any(doc["kind"] == "Deployment" for doc in rendered)
+
+
+def test_render_invalid_spec_names_the_file_of_the_object(tmp_path: Path) -> None:
+    runtimes = tmp_path / "runtimes.yaml"
+    shutil.copy(ROOT / "examples" / "runtimes" / "vllm-nvidia.yaml", runtimes)
+    service = tmp_path / "bad-service.yaml"
+    service.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "serving.noctaya.io/v1alpha1",
+                "kind": "LLMService",
+                "metadata": {"name": "broken", "namespace": "models"},
+                "spec": {"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct"}, "scaling": {"max": 0}},
+            }
+        )
+    )
+    result = run_cli("render", str(runtimes), str(service))
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert f"{service}: LLMService models/broken" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_render_examples_directories_like_make_render(tmp_path: Path) -> None:
+    # Generated per-service tokens derive from the token key, random per process unless fixed.
+    key_file = tmp_path / "token-key"
+    key_file.write_bytes(b"render-test-token-key-0123456789")
+    env = {"NOCTAYA_TOKEN_KEY_FILE": str(key_file)}
+    result = run_cli("render", "examples/runtimes", "examples/models", env_extra=env)
+    assert result.returncode == 0, result.stderr
+    rendered = list(yaml.safe_load_all(result.stdout))
+    kinds = {doc["kind"] for doc in rendered}
+    assert {"Deployment", "Service", "ScaledObject"} <= kinds
+    assert all(doc["metadata"].get("name") for doc in rendered)
+    # Offline rendering is deterministic: a second run prints the same bytes.
+    assert run_cli("render", "examples/runtimes", "examples/models", env_extra=env).stdout == result.stdout

@@ -193,9 +193,20 @@ def test_defaults_follow_the_spec_table(crds: dict[str, dict[str, Any]]) -> None
     assert {path: _at(llm, path).get("default") for path in expected} == expected
     assert _at(runtime, "spec.lifecycle.drainTimeout")["default"] == "2m"
     assert _at(runtime, "spec.probes.startup.path")["default"] == "/health"
-    # Nested objects default to {} so the API server fills in their defaults too.
-    for path in ("spec.scaling", "spec.cache", "spec.endpoint", "spec.endpoint.service", "spec.resources"):
-        assert _at(llm, path)["default"] == {}, path
+    # Nested objects default to their fully defaulted form, so an omitted section still gets (and
+    # shows) every default; the API server checks such a default against the section's CEL rules.
+    assert _at(llm, "spec.scaling")["default"] == {
+        "min": 0,
+        "max": 1,
+        "targetPerReplica": 10,
+        "activationTimeout": "5m",
+        "cooldownPeriod": "5m",
+        "pollingInterval": "5s",
+    }
+    assert _at(llm, "spec.endpoint")["default"]["service"] == {"type": "ClusterIP"}
+    for path, section in (("spec.cache", "cache"), ("spec.resources", "resources"), ("spec.endpoint", "endpoint")):
+        minimal = {"model": {"source": "hf://o/m"}, "runtime": {"name": "r"}}
+        assert _at(llm, path)["default"] == _without_empty(LLMServiceSpec.model_validate(minimal).wire()[section])
     # Optional fields stay absent: no null defaults anywhere, no empty-list noise.
     for schema in (llm, runtime):
         for path, node in _walk(schema):
@@ -631,3 +642,30 @@ def test_api_reference_covers_every_property(crds: dict[str, dict[str, Any]]) ->
         for path, _ in crdgen.iter_properties(_schema(crd)):
             if path != "metadata":
                 assert f"| `{path.rsplit('.', 1)[-1].removesuffix('[]')}`" in text, path
+
+
+# --- the shipped examples pass the CRD's rules exactly as the API server would see them -----------
+
+
+def _example_objects() -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    for path in sorted((REPO / "examples").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if isinstance(doc, dict) and doc.get("apiVersion") == f"{GROUP}/{VERSION}":
+                found.append((f"{path.relative_to(REPO)}:{doc['metadata']['name']}", doc))
+    return found
+
+
+def test_examples_exist_for_both_kinds() -> None:
+    kinds = {doc["kind"] for _, doc in _example_objects()}
+    assert kinds == {"LLMService", "InferenceRuntime"}
+
+
+@pytest.mark.parametrize(("where", "doc"), _example_objects(), ids=[w for w, _ in _example_objects()])
+def test_examples_pass_cel_and_pydantic(crds: dict[str, dict[str, Any]], where: str, doc: dict[str, Any]) -> None:
+    top = {"LLMService": LLMService, "InferenceRuntime": InferenceRuntime}[doc["kind"]]
+    schema = _spec_schema(crds, top)
+    spec = copy.deepcopy(doc["spec"])
+    _apply_defaults(schema, spec)
+    assert _cel_failures(schema, spec, "spec", _CEL_PROGRAMS) == []
+    top.model_validate(doc)

@@ -72,6 +72,9 @@ def test_aggregate_end_to_end_and_sigterm(tmp_path: Path) -> None:
                               json={"member": "g1", "seq": 1, "queued": 3})
             assert r.status_code == 200
             assert next(stream).result is True
+            metrics = requests.get(f"http://127.0.0.1:{report_port}/metrics", timeout=10).text
+            assert "noctaya_scaler_streams_open 1.0" in metrics and "noctaya_aggregator_queued 3.0" in metrics
+            assert "cli-token" not in metrics
             assert stub.GetMetrics(pb.GetMetricsRequest(metricName="qwen-demand"), timeout=10).metricValues[0].metricValue == 3
             proc.send_signal(signal.SIGTERM)
             assert list(stream) == [] and stream.code() == grpc.StatusCode.OK

@@ -109,3 +109,71 @@ def test_gevent_patched_process_greenlets_and_native_threads() -> None:
     assert (version, in_flight) == (1, 2) and waited < 9  # woken, not timed out
     assert facts["native_by_greenlet"] == [1, True]
     assert facts["timeout"] == [True, True]
+
+
+def test_interrupt_wakes_waiters_without_a_change() -> None:
+    b = DemandBroadcaster()
+    out: list[tuple[int, Demand]] = []
+    t = threading.Thread(target=lambda: out.append(b.wait_for_change(0, 30.0)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while b.waiter_count == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    assert b.interrupt_waiters() == 1
+    t.join(30)
+    assert out == [(0, IDLE)] and time.monotonic() - t0 < 10
+
+
+def test_no_lost_wakeups_under_concurrent_publishers() -> None:
+    """Waiters loop on wait_for_change while publishers race; every waiter ends on the final
+    version well before its (long) timeout, i.e. no change was missed between check and wait."""
+    b = DemandBroadcaster()
+    final = Demand(queued=10_000)
+    finished: list[float] = []
+    lock = threading.Lock()
+
+    def waiter() -> None:
+        seen = -1
+        while True:
+            seen, demand = b.wait_for_change(seen, 20.0)
+            if demand == final:
+                with lock:
+                    finished.append(time.monotonic())
+                return
+
+    def publisher(offset: int) -> None:
+        for i in range(2000):
+            b.publish(Demand(queued=(i * 4 + offset) % 9_999))
+
+    waiters = [threading.Thread(target=waiter) for _ in range(8)]
+    publishers = [threading.Thread(target=publisher, args=(k,)) for k in range(4)]
+    for t in waiters + publishers:
+        t.start()
+    for t in publishers:
+        t.join(60)
+    published_at = time.monotonic()
+    b.publish(final)
+    for t in waiters:
+        t.join(60)
+    assert len(finished) == 8 and max(finished) - published_at < 10.0
+
+
+def test_activity_waiters_sleep_through_count_changes() -> None:
+    b = DemandBroadcaster()
+    b.publish(Demand(in_flight=1))
+    assert b.activity_version == 1 and b.version == 1
+    out: list[tuple[int, Demand]] = []
+    t = threading.Thread(target=lambda: out.append(b.wait_for_activity_change(1, 30.0)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while b.waiter_count == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for n in range(2, 50):  # warm-path churn: counts move, the flag stays true
+        b.publish(Demand(in_flight=n))
+    assert b.version == 49 and b.activity_version == 1
+    assert b.waiter_count == 1 and not out  # still asleep
+    b.publish(Demand())
+    t.join(30)
+    assert out == [(2, Demand())]
+    assert b.wait_for_activity_change(1, 30.0) == (2, Demand())  # already flipped: at once

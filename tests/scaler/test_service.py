@@ -45,9 +45,9 @@ class FlakyBroadcaster(DemandBroadcaster):
         self._maybe_fail()
         return super().current()
 
-    def wait_for_change(self, seen_version: int, timeout: float) -> tuple[int, Demand]:
+    def wait_for_activity_change(self, seen_version: int, timeout: float) -> tuple[int, Demand]:
         self._maybe_fail()
-        return super().wait_for_change(seen_version, timeout)
+        return super().wait_for_activity_change(seen_version, timeout)
 
 
 def test_is_active_reflects_queue_in_flight_and_lease(broadcaster, start_server, open_stub) -> None:
@@ -233,3 +233,30 @@ def test_port_in_use_is_an_error(broadcaster, start_server) -> None:
     server = start_server(broadcaster)
     with pytest.raises(OSError):
         start_scaler_server(broadcaster, server.port, host="127.0.0.1")
+
+
+class ThreadRecordingBroadcaster(DemandBroadcaster):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[str, set[str]] = {"stream": set(), "unary": set()}
+
+    def current(self) -> Demand:
+        self.threads["unary"].add(threading.current_thread().name.rsplit("_", 1)[0])
+        return super().current()
+
+    def wait_for_activity_change(self, seen_version: int, timeout: float) -> tuple[int, Demand]:
+        self.threads["stream"].add(threading.current_thread().name.rsplit("_", 1)[0])
+        return super().wait_for_activity_change(seen_version, timeout)
+
+
+def test_streams_and_unary_calls_run_on_separate_pools(start_server, open_stub) -> None:
+    source = ThreadRecordingBroadcaster()
+    server = start_server(source, max_streams=8, unary_workers=1)
+    stub = open_stub(server.port)
+    streams = [stub.StreamIsActive(REF, timeout=30) for _ in range(8)]
+    assert all(next(s).result is False for s in streams)
+    # every stream pool thread is taken, yet a single unary worker serves calls
+    assert all(stub.IsActive(REF, timeout=10).result is False for _ in range(10))
+    assert source.threads == {"stream": {"noctaya-scaler-stream"}, "unary": {"noctaya-scaler-unary"}}
+    for s in streams:
+        s.cancel()

@@ -40,10 +40,10 @@ def test_scaler_inside_a_gevent_patched_process() -> None:
         http = f"http://127.0.0.1:{http_port}"
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = pb_grpc.ExternalScalerStub(channel)
-            streams = [stub.StreamIsActive(REF, timeout=60) for _ in range(32)]
+            streams = [stub.StreamIsActive(REF, timeout=60) for _ in range(128)]
             assert all(next(s).result is False for s in streams)
-            # The gateway's own HTTP greenlets keep running while 32 streams wait in the same hub.
-            assert requests.get(f"{http}/ping", timeout=10).text == "pong 32"
+            # The gateway's own HTTP greenlets keep running while 128 streams wait in the same hub.
+            assert requests.get(f"{http}/ping", timeout=10).text == "pong 128"
             t0 = time.monotonic()
             requests.post(f"{http}/publish?queued=1", timeout=10)
             assert all(next(s).result is True for s in streams)

@@ -1,0 +1,1 @@
+"""Controller layer: the Metacontroller hook entry points (request dict in, response dict out)."""

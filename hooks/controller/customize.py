@@ -1,0 +1,91 @@
+"""`customize` of the LLMService CompositeController: which related objects sync needs.
+
+Metacontroller caches the answer per (parent UID, generation), so it depends on the spec only —
+read here from the raw object, so even an invalid spec still gets its runtime and Pods observed
+(its sync must keep children and explain). A rule never combines `names` with a selector, and
+never carries an empty selector (that would match everything).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hooks.api.common import API_VERSION
+from hooks.config import HookConfig
+from hooks.controller import observe as obs
+from hooks.resources import labels
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _clean_selector(selector: dict[str, Any]) -> dict[str, Any] | None:
+    """A label selector with only well-formed parts, or None when nothing would remain."""
+    out: dict[str, Any] = {}
+    match_labels = {k: v for k, v in _dict(selector.get("matchLabels")).items() if isinstance(k, str) and isinstance(v, str)}
+    if match_labels:
+        out["matchLabels"] = dict(sorted(match_labels.items()))
+    exprs = []
+    for e in selector.get("matchExpressions") or []:
+        if not isinstance(e, dict) or not isinstance(e.get("key"), str) or e.get("operator") not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            continue
+        values = [v for v in e.get("values") or [] if isinstance(v, str)]
+        if (e["operator"] in ("In", "NotIn")) != bool(values):
+            continue
+        expr: dict[str, Any] = {"key": e["key"], "operator": e["operator"]}
+        if values:
+            expr["values"] = values
+        exprs.append(expr)
+    if exprs:
+        out["matchExpressions"] = exprs
+    return out or None
+
+
+def runtime_rule(spec: dict[str, Any]) -> dict[str, Any] | None:
+    runtime = _dict(spec.get("runtime"))
+    base = {"apiVersion": API_VERSION, "resource": "inferenceruntimes"}
+    name = runtime.get("name")
+    if isinstance(name, str) and name:
+        return {**base, "names": [name]}
+    selector = _clean_selector(_dict(runtime.get("selector")))
+    if selector is not None:
+        return {**base, "labelSelector": selector}
+    return None
+
+
+def secret_names(spec: dict[str, Any]) -> list[str]:
+    found = {
+        _dict(_dict(spec.get("model")).get("credentialsSecret")).get("name"),
+        _dict(_dict(_dict(spec.get("endpoint")).get("auth")).get("secretRef")).get("name"),
+        _dict(spec.get("scalerTLS")).get("secretName"),
+    }
+    return sorted(n for n in found if isinstance(n, str) and n)
+
+
+def related_rules(parent: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = _dict(parent.get("metadata"))
+    spec = _dict(parent.get("spec"))
+    namespace = meta.get("namespace") or "default"
+    rules: list[dict[str, Any]] = []
+    rule = runtime_rule(spec)
+    if rule is not None:
+        rules.append(rule)
+    rules.append({"apiVersion": "apiextensions.k8s.io/v1", "resource": "customresourcedefinitions", "names": [obs.KEDA_CRD_NAME]})
+    rules.append(
+        {
+            "apiVersion": "v1",
+            "resource": "pods",
+            "namespace": namespace,
+            "labelSelector": {"matchLabels": labels.selector(meta["name"], labels.BACKEND)},
+        }
+    )
+    wanted = secret_names(spec)
+    if wanted:
+        rules.append({"apiVersion": "v1", "resource": "secrets", "namespace": namespace, "names": wanted})
+    return rules
+
+
+def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
+    parent = obs.require_object(request, "parent")
+    return {"relatedResources": related_rules(parent)}

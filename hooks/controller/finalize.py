@@ -1,0 +1,86 @@
+"""`finalize` of the LLMService CompositeController: ordered teardown.
+
+1. Stop admitting: the gateway, its Services, the aggregate scaler, the PDB and the token Secret go
+   first, while the backend keeps serving requests already in flight (the gateway drains them on
+   SIGTERM). The ScaledObject goes with the DecoratorController's own finalize.
+2. Once no gateway Deployment is observed, the backend goes; its Pods drain through preStop.
+3. `finalized: true` only when the observed children show no gateway or backend Deployment and no
+   backend Pod remains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hooks.api.status import ConditionType, Reason
+from hooks.config import HookConfig, resolve
+from hooks.controller import observe as obs
+from hooks.controller import status as st
+from hooks.resources import labels, names
+
+# Poll while tearing down: Pods disappearing is what we wait for.
+TEARDOWN_RESYNC_SECONDS = 5.0
+
+
+def _component(obj: dict[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("labels") or {}).get(labels.COMPONENT)
+
+
+def _is_deployment(obj: dict[str, Any], component: str, name: str) -> bool:
+    if obj.get("kind") != "Deployment":
+        return False
+    return _component(obj) == component or (obj.get("metadata") or {}).get("name") == name
+
+
+def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
+    parent = obs.require_object(request, "parent")
+    cfg = resolve(config)
+    observed = obs.observe(request)
+    name = parent["metadata"]["name"]
+    children = list(observed.children.values())
+    gateway_up = any(_is_deployment(o, labels.GATEWAY, names.gateway(name)) for o in children)
+    backend_up = any(_is_deployment(o, labels.BACKEND, names.backend(name)) for o in children)
+    pods = observed.live_pods()
+    if gateway_up:
+        # Phase 1: keep only what serves requests already admitted.
+        keep = [obs.kept(o) for o in children if _component(o) in (labels.BACKEND, labels.CACHE)]
+        message = "stopping admission: removing the gateway; the backend keeps serving in-flight requests"
+    else:
+        keep = []
+        message = (
+            f"gateway removed; waiting for the backend to drain ({len(pods)} pod(s) left)"
+            if backend_up or pods
+            else "teardown complete"
+        )
+    finalized = not gateway_up and not backend_up and not pods
+
+    previous = parent.get("status") if isinstance(parent.get("status"), dict) else {}
+    conds: list[st.Cond] = []
+    for c in previous.get("conditions") or []:
+        if not isinstance(c, dict) or c.get("type") in (ConditionType.READY, ConditionType.GATEWAY_READY, ConditionType.BACKEND_READY):
+            continue
+        try:
+            conds.append(st.Cond(ConditionType(c["type"]), c.get("status", "Unknown"), Reason(c.get("reason")), c.get("message", "")))
+        except (KeyError, ValueError):
+            continue
+    backend_deployment = observed.child(obs.DEPLOYMENT, names.backend(name))
+    if backend_deployment is not None or pods:
+        conds.append(st.backend_condition(backend_deployment, pods, not_created_reason=Reason.TERMINATING,
+                                          not_created_message=f"backend Deployment removed; {len(pods)} pod(s) draining"))
+    else:
+        conds.append(st.Cond(ConditionType.BACKEND_READY, "False", Reason.TERMINATING, "backend removed"))
+    conds.append(st.Cond(ConditionType.GATEWAY_READY, "False", Reason.TERMINATING, "the LLMService is being deleted"))
+    conds.append(st.Cond(ConditionType.READY, "False", Reason.TERMINATING, message))
+    meta = parent.get("metadata") or {}
+    generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
+    status = {k: v for k, v in previous.items() if k in ("observedGeneration", "runtime", "endpoint")}
+    _desired, current, ready = st.deployment_counts(observed.child(obs.DEPLOYMENT, names.backend(name)))
+    status["replicas"] = current
+    status["readyReplicas"] = ready
+    status["conditions"] = st.wire_conditions(conds, previous, generation, cfg.clock)
+    return {
+        "status": status,
+        "children": keep,
+        "resyncAfterSeconds": 0.0 if finalized else TEARDOWN_RESYNC_SECONDS,
+        "finalized": finalized,
+    }

@@ -1,0 +1,161 @@
+"""Read a Metacontroller v2 hook request into plain, typed facts.
+
+Groups are keyed `Kind.apiVersion` (`Kind.v1` for core types); objects inside are keyed
+`namespace/name` (or `name` when cluster-scoped). Objects are read by value, not by key, so the
+hooks do not depend on the exact key spelling.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hooks.errors import InvalidHookRequest
+
+DEPLOYMENT = "Deployment.apps/v1"
+SERVICE = "Service.v1"
+SECRET = "Secret.v1"
+PDB = "PodDisruptionBudget.policy/v1"
+PVC = "PersistentVolumeClaim.v1"
+JOB = "Job.batch/v1"
+POD = "Pod.v1"
+RUNTIME = "InferenceRuntime.serving.noctaya.io/v1alpha1"
+CRD = "CustomResourceDefinition.apiextensions.k8s.io/v1"
+SCALED_OBJECT = "ScaledObject.keda.sh/v1alpha1"
+KEDA_CRD_NAME = "scaledobjects.keda.sh"
+
+LAST_APPLIED = "metacontroller.k8s.io/last-applied-configuration"
+_SERVER_METADATA = ("resourceVersion", "uid", "creationTimestamp", "managedFields", "generation", "ownerReferences",
+                    "selfLink", "deletionTimestamp", "deletionGracePeriodSeconds", "finalizers")
+
+
+def group_key(obj: dict[str, Any]) -> str:
+    return f"{obj.get('kind')}.{obj.get('apiVersion')}"
+
+
+def object_key(obj: dict[str, Any]) -> tuple[str, str]:
+    """(group, name): how a child is identified within one parent's namespace."""
+    return group_key(obj), str((obj.get("metadata") or {}).get("name", ""))
+
+
+def objects(groups: Any, group: str) -> list[dict[str, Any]]:
+    """The objects of one group, sorted by name; missing or malformed groups read as empty."""
+    if not isinstance(groups, dict):
+        return []
+    members = groups.get(group)
+    if not isinstance(members, dict):
+        return []
+    found = [o for o in members.values() if isinstance(o, dict)]
+    return sorted(found, key=lambda o: str((o.get("metadata") or {}).get("name", "")))
+
+
+def has_group(groups: Any, group: str) -> bool:
+    return isinstance(groups, dict) and isinstance(groups.get(group), dict)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What Metacontroller showed us about one parent."""
+
+    children: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    related: dict[str, Any] = field(default_factory=dict)
+
+    def child(self, group: str, name: str) -> dict[str, Any] | None:
+        return self.children.get((group, name))
+
+    def related_objects(self, group: str) -> list[dict[str, Any]]:
+        return objects(self.related, group)
+
+    @property
+    def keda_installed(self) -> bool:
+        return any((o.get("metadata") or {}).get("name") == KEDA_CRD_NAME for o in self.related_objects(CRD))
+
+    def live_pods(self) -> list[dict[str, Any]]:
+        return self.related_objects(POD)
+
+    def secret_names(self) -> set[str] | None:
+        """Names of the related Secrets, or None when the request carried no Secret group at all."""
+        if not has_group(self.related, SECRET):
+            return None
+        return {str((o.get("metadata") or {}).get("name")) for o in self.related_objects(SECRET)}
+
+
+def parse_children(groups: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    if not isinstance(groups, dict):
+        return out
+    for group in sorted(groups):
+        for obj in objects(groups, group):
+            kind, _, api_version = group.partition(".")
+            obj = {**obj}
+            obj.setdefault("kind", kind)
+            obj.setdefault("apiVersion", api_version)
+            out[object_key(obj)] = obj
+    return out
+
+
+def observe(request: dict[str, Any], children_key: str = "children") -> Observed:
+    return Observed(children=parse_children(request.get(children_key)), related=request.get("related") or {})
+
+
+def require_object(request: Any, key: str) -> dict[str, Any]:
+    """The parent (or decorated object) of a request; anything unreadable is a 400."""
+    if not isinstance(request, dict):
+        raise InvalidHookRequest("hook request must be a JSON object")
+    obj = request.get(key)
+    if not isinstance(obj, dict):
+        raise InvalidHookRequest(f"hook request has no {key!r} object")
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not meta["name"]:
+        raise InvalidHookRequest(f"{key}.metadata.name is missing")
+    if "namespace" in meta and not isinstance(meta["namespace"], str):
+        raise InvalidHookRequest(f"{key}.metadata.namespace must be a string")
+    for groups_key in ("children", "attachments", "related"):
+        if request.get(groups_key) is not None and not isinstance(request[groups_key], dict):
+            raise InvalidHookRequest(f"hook request {groups_key!r} must be an object of groups")
+    return obj
+
+
+def kept(obj: dict[str, Any]) -> dict[str, Any]:
+    """An observed child as we return it when we must keep it unchanged.
+
+    Preferably the last-applied configuration Metacontroller recorded (exactly what a previous sync
+    returned, so the 3-way merge is a no-op); otherwise the observed object without status and
+    server-managed metadata. Never `spec.replicas` of the backend: returning it would make it ours,
+    and a later sync that omits it again would reset KEDA's replica count.
+    """
+    meta = obj.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    raw = annotations.get(LAST_APPLIED)
+    if isinstance(raw, str):
+        try:
+            applied = json.loads(raw)
+        except ValueError:
+            applied = None
+        if (
+            isinstance(applied, dict)
+            and applied.get("kind") == obj.get("kind")
+            and (applied.get("metadata") or {}).get("name") == meta.get("name")
+        ):
+            applied.setdefault("apiVersion", obj.get("apiVersion"))
+            return _without_backend_replicas(applied)
+    clean = {k: v for k, v in obj.items() if k != "status"}
+    clean_meta = {k: v for k, v in meta.items() if k not in _SERVER_METADATA}
+    if annotations:
+        rest = {k: v for k, v in annotations.items() if k != LAST_APPLIED}
+        if rest:
+            clean_meta["annotations"] = rest
+        else:
+            clean_meta.pop("annotations", None)
+    clean["metadata"] = clean_meta
+    return _without_backend_replicas(clean)
+
+
+def _without_backend_replicas(obj: dict[str, Any]) -> dict[str, Any]:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    if obj.get("kind") == "Deployment" and labels.get("serving.noctaya.io/component") == "backend":
+        spec = obj.get("spec")
+        if isinstance(spec, dict) and "replicas" in spec:
+            obj = {**obj, "spec": {k: v for k, v in spec.items() if k != "replicas"}}
+    return obj

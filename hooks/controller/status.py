@@ -1,0 +1,246 @@
+"""Conditions and status of an LLMService, computed from observed children and related Pods.
+
+Messages are built from stable facts only (names, counts, reasons — never times), and
+`lastTransitionTime` changes only when a condition's status changes: every status write triggers
+another sync, so a status that differs on every call would loop forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hooks.api.status import ConditionType, Reason
+
+MAX_MESSAGE = 400
+
+CONDITION_ORDER = (
+    ConditionType.RUNTIME_RESOLVED,
+    ConditionType.AUTOSCALING_READY,
+    ConditionType.CACHE_READY,
+    ConditionType.BACKEND_READY,
+    ConditionType.GATEWAY_READY,
+    ConditionType.READY,
+)
+
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+# Restarts after which a container that is not crash-looping right now still counts as failing.
+REPEATED_TERMINATION_RESTARTS = 3
+
+# Worst first: the most specific, least self-healing cause wins when several Pods fail differently.
+FAILURE_SEVERITY = (
+    Reason.IMAGE_PULL_FAILED,
+    Reason.OOM_KILLED,
+    Reason.CRASH_LOOP,
+    Reason.UNSCHEDULABLE,
+    Reason.REPEATED_TERMINATION,
+    Reason.PROGRESS_DEADLINE_EXCEEDED,
+    Reason.SECRET_NOT_FOUND,
+)
+# A backend in one of these states is not a reason to call the whole service not Ready.
+BACKEND_OK_REASONS = frozenset({Reason.READY, Reason.SCALED_TO_ZERO, Reason.ACTIVATING})
+
+
+@dataclass(frozen=True)
+class Cond:
+    type: ConditionType
+    status: str  # "True" | "False" | "Unknown"
+    reason: Reason
+    message: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "True"
+
+
+def short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 1] + "…"
+
+
+def _name(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("name", ""))
+
+
+def _int(value: Any, default: int = 0) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+# --- backend ------------------------------------------------------------------------------------
+
+
+def pod_failures(pod: dict[str, Any]) -> list[tuple[Reason, str]]:
+    """Why one backend Pod cannot serve, from its status (empty when nothing is wrong yet)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return []  # draining on purpose
+    name = _name(pod)
+    status = pod.get("status") or {}
+    found: list[tuple[Reason, str]] = []
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+            found.append((Reason.UNSCHEDULABLE, f"pod {name} cannot be scheduled: {cond.get('message') or 'no node fits'}"))
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        container = cs.get("name", "?")
+        state = cs.get("state") or {}
+        last = cs.get("lastState") or {}
+        waiting = (state.get("waiting") or {}).get("reason")
+        terminated = (state.get("terminated") or {}).get("reason")
+        last_terminated = (last.get("terminated") or {}).get("reason")
+        if waiting in IMAGE_PULL_REASONS:
+            found.append((Reason.IMAGE_PULL_FAILED, f"pod {name} container {container}: {waiting} for image {cs.get('image', '')}"))
+        elif "OOMKilled" in (terminated, last_terminated):
+            found.append((Reason.OOM_KILLED, f"pod {name} container {container} was OOM-killed: raise resources.memory"))
+        elif waiting == "CrashLoopBackOff":
+            found.append((Reason.CRASH_LOOP, f"pod {name} container {container} is crash-looping (see its logs)"))
+        elif waiting == "CreateContainerConfigError":
+            found.append((Reason.SECRET_NOT_FOUND, f"pod {name} container {container}: a referenced Secret or key is missing"))
+        elif _int(cs.get("restartCount")) >= REPEATED_TERMINATION_RESTARTS and last_terminated:
+            found.append((Reason.REPEATED_TERMINATION, f"pod {name} container {container} terminated repeatedly ({last_terminated})"))
+    return found
+
+
+def worst(failures: Iterable[tuple[Reason, str]]) -> tuple[Reason, str] | None:
+    ranked = sorted(failures, key=lambda f: (FAILURE_SEVERITY.index(f[0]), f[1]))
+    return ranked[0] if ranked else None
+
+
+def deployment_counts(deployment: dict[str, Any] | None) -> tuple[int, int, int]:
+    """(desired, current, ready) replicas of an observed Deployment."""
+    if deployment is None:
+        return 0, 0, 0
+    spec = deployment.get("spec") or {}
+    status = deployment.get("status") or {}
+    return _int(spec.get("replicas"), 1), _int(status.get("replicas")), _int(status.get("readyReplicas"))
+
+
+def _deadline_exceeded(deployment: dict[str, Any]) -> str | None:
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("status") == "False" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return f"Deployment {_name(deployment)} exceeded its progress deadline"
+    return None
+
+
+def backend_condition(
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    *,
+    not_created_reason: Reason = Reason.PROGRESSING,
+    not_created_message: str = "backend Deployment not created yet",
+    extra_failures: Iterable[tuple[Reason, str]] = (),
+) -> Cond:
+    t = ConditionType.BACKEND_READY
+    failures = [f for p in pods for f in pod_failures(p)] + list(extra_failures)
+    if deployment is not None:
+        exceeded = _deadline_exceeded(deployment)
+        if exceeded:
+            failures.append((Reason.PROGRESS_DEADLINE_EXCEEDED, exceeded))
+    bad = worst(failures)
+    if bad is not None:
+        return Cond(t, "False", bad[0], short(bad[1]))
+    if deployment is None:
+        return Cond(t, "False", not_created_reason, not_created_message)
+    desired, _current, ready = deployment_counts(deployment)
+    if desired == 0 and ready == 0:
+        return Cond(t, "False", Reason.SCALED_TO_ZERO, "scaled to zero; the next request activates the backend")
+    if ready >= 1:
+        return Cond(t, "True", Reason.READY, f"{ready}/{desired} backend replicas ready")
+    return Cond(t, "False", Reason.ACTIVATING, f"0/{desired} backend replicas ready (starting or loading the model)")
+
+
+# --- gateway ------------------------------------------------------------------------------------
+
+
+def gateway_condition(
+    gateway: dict[str, Any] | None,
+    aggregator: dict[str, Any] | None,
+    multi: bool,
+    missing_secret: str | None = None,
+) -> Cond:
+    t = ConditionType.GATEWAY_READY
+    if missing_secret:
+        return Cond(t, "False", Reason.SECRET_NOT_FOUND, f"endpoint.auth Secret {missing_secret} does not exist")
+    if gateway is None:
+        return Cond(t, "False", Reason.PROGRESSING, "gateway Deployment not created yet")
+    desired, _current, ready = deployment_counts(gateway)
+    if ready < 1:
+        return Cond(t, "False", Reason.PROGRESSING, f"0/{desired} gateways ready")
+    if multi:
+        if aggregator is None or deployment_counts(aggregator)[2] < 1:
+            return Cond(t, "False", Reason.PROGRESSING, f"{ready}/{desired} gateways ready; aggregate scaler not ready")
+    return Cond(t, "True", Reason.AVAILABLE, f"{ready}/{desired} gateways ready")
+
+
+# --- Ready --------------------------------------------------------------------------------------
+
+
+def ready_condition(conds: dict[ConditionType, Cond], endpoint: str) -> Cond:
+    t = ConditionType.READY
+    backend = conds.get(ConditionType.BACKEND_READY)
+    blocking: list[Cond] = []
+    for ctype in (ConditionType.RUNTIME_RESOLVED, ConditionType.AUTOSCALING_READY):
+        c = conds.get(ctype)
+        if c is not None and not c.ok:
+            blocking.append(c)
+    if backend is not None and backend.reason not in BACKEND_OK_REASONS:
+        blocking.append(backend)
+    for ctype in (ConditionType.GATEWAY_READY,):
+        c = conds.get(ctype)
+        if c is not None and not c.ok:
+            blocking.append(c)
+    cache = conds.get(ConditionType.CACHE_READY)
+    if cache is not None and cache.status == "False":
+        blocking.append(cache)
+    if blocking:
+        first = blocking[0]
+        return Cond(t, "False", first.reason, short(f"{first.type}: {first.message}"))
+    if backend is not None and backend.reason == Reason.SCALED_TO_ZERO:
+        return Cond(t, "True", Reason.READY, f"serving at {endpoint}; backend scaled to zero until the next request")
+    if backend is not None and backend.reason == Reason.ACTIVATING:
+        return Cond(t, "True", Reason.READY, f"serving at {endpoint}; backend activating")
+    return Cond(t, "True", Reason.READY, f"serving at {endpoint}")
+
+
+# --- wire ---------------------------------------------------------------------------------------
+
+
+def wire_conditions(
+    conds: Iterable[Cond],
+    previous_status: Any,
+    generation: int | None,
+    clock: Callable[[], str],
+) -> list[dict[str, Any]]:
+    """Conditions in metav1.Condition shape, ordered, with lastTransitionTime carried over."""
+    previous: dict[str, dict[str, Any]] = {}
+    if isinstance(previous_status, dict):
+        for c in previous_status.get("conditions") or []:
+            if isinstance(c, dict) and isinstance(c.get("type"), str):
+                previous[c["type"]] = c
+    now: list[str] = []  # the clock is read at most once, and only when something transitioned
+
+    def stamp() -> str:
+        if not now:
+            now.append(clock())
+        return now[0]
+
+    by_type = {c.type: c for c in conds}
+    order = [t for t in CONDITION_ORDER if t in by_type] + sorted(t for t in by_type if t not in CONDITION_ORDER)
+    out = []
+    for ctype in order:
+        c = by_type[ctype]
+        prev = previous.get(str(ctype))
+        if prev is not None and prev.get("status") == c.status and isinstance(prev.get("lastTransitionTime"), str):
+            when = prev["lastTransitionTime"]
+        else:
+            when = stamp()
+        item: dict[str, Any] = {
+            "type": str(c.type),
+            "status": c.status,
+            "reason": str(c.reason),
+            "message": c.message,
+            "lastTransitionTime": when,
+        }
+        if generation is not None:
+            item["observedGeneration"] = generation
+        out.append(item)
+    return out

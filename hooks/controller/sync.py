@@ -1,0 +1,309 @@
+"""`sync` of the LLMService CompositeController: desired children + truthful status.
+
+Never destructive: when the spec is invalid, the runtime cannot be resolved or the cache strategy
+is not implemented, every observed child is returned unchanged (Metacontroller deletes whatever a
+response omits) and a condition says why. Without KEDA's CRD the backend Deployment is not created
+(an existing one is kept): nothing could scale it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from hooks.api.llmservice import LLMService
+from hooks.api.status import ConditionType, Reason
+from hooks.config import HookConfig, resolve
+from hooks.controller import observe as obs
+from hooks.controller import status as st
+from hooks.errors import describe_validation_error
+from hooks.resources import autoscaling, backend, cache, disruption, gateway, labels, names, scaler, secrets
+from hooks.resources.context import RenderContext, endpoint_url
+from hooks.runtime.select import Resolution, select_runtime
+
+COMPONENT = labels.COMPONENT
+
+
+@dataclass
+class Outcome:
+    """Everything one sync decided, before it is put on the wire."""
+
+    children: list[dict[str, Any]] = field(default_factory=list)
+    conditions: dict[ConditionType, st.Cond] = field(default_factory=dict)
+    runtime: str | None = None
+
+    def put(self, cond: st.Cond) -> None:
+        self.conditions[cond.type] = cond
+
+
+def parse_service(parent: dict[str, Any]) -> tuple[LLMService | None, str]:
+    """The typed LLMService, or None and a user-facing message naming the bad fields."""
+    try:
+        return LLMService.model_validate({k: v for k, v in parent.items() if k != "status"}), ""
+    except ValidationError as exc:
+        return None, describe_validation_error(exc)
+
+
+def namespace_of(parent: dict[str, Any]) -> str:
+    return (parent.get("metadata") or {}).get("namespace") or "default"
+
+
+def resolve_runtime(service: LLMService, observed: obs.Observed) -> Resolution:
+    return select_runtime(service.spec.runtime, observed.related_objects(obs.RUNTIME))
+
+
+def component_of(obj: dict[str, Any]) -> str | None:
+    return ((obj.get("metadata") or {}).get("labels") or {}).get(COMPONENT)
+
+
+def observed_deployment(observed: obs.Observed, name: str) -> dict[str, Any] | None:
+    return observed.child(obs.DEPLOYMENT, name)
+
+
+def _keep_all(observed: obs.Observed) -> list[dict[str, Any]]:
+    return [obs.kept(o) for o in observed.children.values()]
+
+
+def _observational(out: Outcome, parent_name: str, observed: obs.Observed, multi: bool) -> None:
+    """BackendReady and GatewayReady from what exists, whatever the spec says."""
+    out.put(st.backend_condition(observed_deployment(observed, names.backend(parent_name)), observed.live_pods()))
+    out.put(
+        st.gateway_condition(
+            observed_deployment(observed, names.gateway(parent_name)),
+            observed_deployment(observed, names.aggregator(parent_name)),
+            multi,
+        )
+    )
+
+
+def _missing_secrets(service: LLMService, observed: obs.Observed) -> dict[str, str]:
+    """Referenced Secrets that do not exist, by role (existence only: data is never read)."""
+    present = observed.secret_names()
+    if present is None:
+        return {}
+    wanted: dict[str, str] = {}
+    if service.spec.model.credentials_secret is not None and service.spec.model.parsed.is_hub:
+        wanted["credentials"] = service.spec.model.credentials_secret.name
+    if service.spec.endpoint.auth is not None:
+        wanted["auth"] = service.spec.endpoint.auth.secret_ref.name
+    if service.spec.scaler_tls is not None:
+        wanted["tls"] = service.spec.scaler_tls.secret_name
+    return {role: name for role, name in wanted.items() if name not in present}
+
+
+def _invalid(out: Outcome, parent: dict[str, Any], observed: obs.Observed, message: str) -> None:
+    out.children = _keep_all(observed)
+    name = parent["metadata"]["name"]
+    spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
+    endpoint = spec.get("endpoint") if isinstance(spec.get("endpoint"), dict) else {}
+    multi = isinstance(endpoint.get("replicas"), int) and endpoint["replicas"] > 1
+    text = f"spec is invalid, existing children are kept unchanged: {message}"
+    for ctype in (ConditionType.RUNTIME_RESOLVED, ConditionType.AUTOSCALING_READY, ConditionType.CACHE_READY):
+        out.put(st.Cond(ctype, "Unknown", Reason.INVALID_SPEC, "not evaluated: the spec is invalid"))
+    _observational(out, name, observed, multi)
+    out.put(st.Cond(ConditionType.READY, "False", Reason.INVALID_SPEC, st.short(text)))
+
+
+def plan_children(
+    ctx: RenderContext, observed: obs.Observed, out: Outcome, keda: bool, missing: dict[str, str]
+) -> autoscaling.ScaledObjectPlan:
+    """The desired children (appended to `out`) and the cache / autoscaling conditions."""
+    name = ctx.name
+    cache_plan = cache.plan(ctx)
+    if keda:
+        out.children.append(backend.deployment(ctx, cache_plan.mount))
+    else:
+        existing = observed_deployment(observed, names.backend(name))
+        if existing is not None:
+            out.children.append(obs.kept(existing))
+    out.children.append(backend.service(ctx))
+
+    cache_cond = st.Cond(ConditionType.CACHE_READY, cache_plan.status, cache_plan.reason, cache_plan.message)
+    if cache_plan.claim is not None:
+        claim_name = cache_plan.claim["metadata"]["name"]
+        existing_claim = observed.child(obs.PVC, claim_name)
+        if existing_claim is None:
+            out.children.append(cache_plan.claim)
+        else:
+            # Create-once: keep the claim as it is; a different desired spec is a conflict to report.
+            out.children.append(obs.kept(existing_claim))
+            want = cache_plan.claim["metadata"]["annotations"][cache.SPEC_HASH]
+            have = ((existing_claim.get("metadata") or {}).get("annotations") or {}).get(cache.SPEC_HASH)
+            phase = (existing_claim.get("status") or {}).get("phase")
+            if have != want:
+                cache_cond = st.Cond(
+                    ConditionType.CACHE_READY,
+                    "False",
+                    Reason.CACHE_SPEC_CONFLICT,
+                    f"claim {claim_name} was created from a different cache spec; claims cannot change: "
+                    "restore the previous size/class/strategy or delete the claim to recreate it",
+                )
+            elif cache_cond.reason != Reason.NOT_IMPLEMENTED:
+                if phase == "Bound":
+                    cache_cond = st.Cond(ConditionType.CACHE_READY, "True", Reason.AVAILABLE, f"claim {claim_name} bound")
+                elif phase == "Lost":
+                    cache_cond = st.Cond(ConditionType.CACHE_READY, "False", Reason.PROGRESSING, f"claim {claim_name} lost its volume")
+                else:
+                    cache_cond = st.Cond(
+                        ConditionType.CACHE_READY,
+                        "Unknown",
+                        Reason.PROGRESSING,
+                        f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with the first backend Pod)",
+                    )
+    out.put(cache_cond)
+
+    out.children.append(gateway.deployment(ctx))
+    out.children.append(gateway.public_service(ctx))
+    out.children.append(scaler.service(ctx))
+    if ctx.multi_gateway:
+        out.children.append(scaler.aggregator_deployment(ctx))
+        out.children.append(scaler.aggregator_service(ctx))
+        out.children.append(disruption.gateway_pdb(ctx))
+        token_name = names.scaler_token(name)
+        out.children.append(secrets.token_secret(ctx, observed.child(obs.SECRET, token_name)))
+
+    so_plan = autoscaling.scaled_object(ctx)
+    scaling = ctx.service.spec.scaling
+    t = ConditionType.AUTOSCALING_READY
+    if not keda:
+        out.put(
+            st.Cond(
+                t,
+                "False",
+                Reason.KEDA_NOT_INSTALLED,
+                f"KEDA's CRD {obs.KEDA_CRD_NAME} is not installed: install KEDA; the backend Deployment is "
+                "created once it is (existing children are kept)",
+            )
+        )
+    elif so_plan.problems:
+        out.put(st.Cond(t, "False", Reason.INVALID_SPEC, st.short("; ".join(so_plan.problems))))
+    elif "tls" in missing:
+        out.put(st.Cond(t, "False", Reason.SECRET_NOT_FOUND, f"scalerTLS Secret {missing['tls']} does not exist"))
+    else:
+        out.put(
+            st.Cond(
+                t,
+                "True",
+                Reason.CONFIGURED,
+                f"ScaledObject {names.scaled_object(name)} scales {names.backend(name)} between "
+                f"{scaling.min} and {scaling.max} replicas on demand from {ctx.scaler_address}",
+            )
+        )
+    return so_plan
+
+
+def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -> Outcome:
+    out = Outcome()
+    service, error = parse_service(parent)
+    if service is None:
+        _invalid(out, parent, observed, error)
+        out.runtime = (parent.get("status") or {}).get("runtime") if isinstance(parent.get("status"), dict) else None
+        return out
+    name = service.metadata.name
+    keda = observed.keda_installed
+    missing = _missing_secrets(service, observed)
+    resolution = resolve_runtime(service, observed)
+    previous_runtime = (parent.get("status") or {}).get("runtime") if isinstance(parent.get("status"), dict) else None
+
+    if not resolution.resolved:
+        out.children = _keep_all(observed)
+        out.runtime = previous_runtime
+        out.put(st.Cond(ConditionType.RUNTIME_RESOLVED, "False", resolution.reason, resolution.message))
+        if keda:
+            out.put(st.Cond(ConditionType.AUTOSCALING_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES, "waiting for a runtime"))
+        else:
+            out.put(st.Cond(ConditionType.AUTOSCALING_READY, "False", Reason.KEDA_NOT_INSTALLED, f"KEDA's CRD {obs.KEDA_CRD_NAME} is not installed"))
+        out.put(st.Cond(ConditionType.CACHE_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES, "waiting for a runtime"))
+        _observational(out, name, observed, service.spec.endpoint.replicas > 1)
+        return out
+
+    assert resolution.runtime is not None
+    out.runtime = resolution.runtime.metadata.name
+    out.put(st.Cond(ConditionType.RUNTIME_RESOLVED, "True", Reason.RESOLVED, resolution.message))
+
+    if service.spec.cache.strategy == "BakedImage":
+        out.children = _keep_all(observed)
+        out.put(st.Cond(ConditionType.AUTOSCALING_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES, "nothing rendered"))
+        out.put(
+            st.Cond(
+                ConditionType.CACHE_READY,
+                "False",
+                Reason.NOT_IMPLEMENTED,
+                "cache.strategy BakedImage is reserved and not implemented; existing children are kept unchanged",
+            )
+        )
+        _observational(out, name, observed, service.spec.endpoint.replicas > 1)
+        out.put(st.Cond(ConditionType.READY, "False", Reason.NOT_IMPLEMENTED, "cache.strategy BakedImage is not implemented"))
+        return out
+
+    ctx = RenderContext(
+        service=service,
+        runtime=resolution.runtime,
+        namespace=namespace_of(parent),
+        config=config,
+        uid=str((parent.get("metadata") or {}).get("uid") or ""),
+    )
+    plan_children(ctx, observed, out, keda, missing)
+
+    extra = []
+    if "credentials" in missing:
+        extra.append((Reason.SECRET_NOT_FOUND, f"model.credentialsSecret {missing['credentials']} does not exist"))
+    out.put(
+        st.backend_condition(
+            observed_deployment(observed, names.backend(name)),
+            observed.live_pods(),
+            not_created_reason=Reason.PROGRESSING if keda else Reason.WAITING_FOR_DEPENDENCIES,
+            not_created_message="backend Deployment not created yet" if keda else "the backend is created once KEDA is installed",
+            extra_failures=extra,
+        )
+    )
+    out.put(
+        st.gateway_condition(
+            observed_deployment(observed, names.gateway(name)),
+            observed_deployment(observed, names.aggregator(name)),
+            ctx.multi_gateway,
+            missing.get("auth"),
+        )
+    )
+    return out
+
+
+def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, config: HookConfig) -> dict[str, Any]:
+    meta = parent.get("metadata") or {}
+    name = meta["name"]
+    namespace = namespace_of(parent)
+    endpoint = endpoint_url(name, namespace, config)
+    if ConditionType.READY not in out.conditions:
+        out.put(st.ready_condition(out.conditions, endpoint))
+    generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
+    _desired, current, ready = st.deployment_counts(observed_deployment(observed, names.backend(name)))
+    status: dict[str, Any] = {}
+    if generation is not None:
+        status["observedGeneration"] = generation
+    if out.runtime:
+        status["runtime"] = out.runtime
+    status["endpoint"] = endpoint
+    status["replicas"] = current
+    status["readyReplicas"] = ready
+    status["conditions"] = st.wire_conditions(out.conditions.values(), parent.get("status"), generation, config.clock)
+    return status
+
+
+def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
+    """CompositeController sync (hook version v2); delegates to finalize while the parent is deleting."""
+    parent = obs.require_object(request, "parent")
+    if request.get("finalizing"):
+        from hooks.controller.finalize import finalize
+
+        return finalize(request, config)
+    cfg = resolve(config)
+    observed = obs.observe(request)
+    out = decide(parent, observed, cfg)
+    return {
+        "status": build_status(parent, out, observed, cfg),
+        "children": out.children,
+        "resyncAfterSeconds": 0.0,
+        "finalized": False,
+    }

@@ -1,0 +1,121 @@
+"""Offline rendering, like `helm template`: LLMService + InferenceRuntime YAML in, children out.
+
+Each LLMService gets the synthetic v2 requests Metacontroller would send on first sight (nothing
+observed yet, KEDA's CRD present, every given runtime related), through the very same `sync` and
+decorator `sync` the cluster uses. Documents of other kinds are ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from hooks.api.llmservice import LLMService
+from hooks.api.runtime import InferenceRuntime
+from hooks.api.status import ConditionType
+from hooks.config import HookConfig, resolve
+from hooks.controller import autoscaling, sync
+from hooks.controller import observe as obs
+from hooks.errors import describe_validation_error
+
+_UID_NAMESPACE = uuid.UUID("6f1c9a52-2d3e-4c7b-9a1f-0e5d4c3b2a19")
+
+
+class RenderError(ValueError):
+    """An input document cannot be rendered; the message names the object and the field."""
+
+
+def _where(doc: dict[str, Any], index: int, sources: list[str] | None) -> str:
+    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    name = meta.get("name") or f"(document {index + 1} has no metadata.name)"
+    ns = meta.get("namespace")
+    label = f"{doc.get('kind')} {ns + '/' if ns else ''}{name}"
+    if sources is not None and index < len(sources):
+        label = f"{sources[index]}: {label}"
+    return label
+
+
+def _with_identity(doc: dict[str, Any], namespaced: bool) -> dict[str, Any]:
+    meta = dict(doc.get("metadata") or {})
+    if namespaced:
+        meta.setdefault("namespace", "default")
+    key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    meta.setdefault("uid", str(uuid.uuid5(_UID_NAMESPACE, f"{doc.get('kind')}:{key}")))
+    meta.setdefault("generation", 1)
+    return {**doc, "metadata": meta}
+
+
+def render_documents(
+    documents: list[dict[str, Any]],
+    config: HookConfig | None = None,
+    sources: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Every child (and the decorator's ScaledObject) of every LLMService, in a stable order.
+
+    `sources` optionally names where each document came from (same order), for error messages.
+    """
+    cfg = resolve(config)
+    runtimes: dict[str, dict[str, Any]] = {}
+    services: list[tuple[int, dict[str, Any]]] = []
+    for index, doc in enumerate(documents):
+        if not isinstance(doc, dict):
+            raise RenderError(f"document {index + 1} is not a Kubernetes object")
+        kind = doc.get("kind")
+        if kind == "InferenceRuntime":
+            try:
+                parsed = InferenceRuntime.model_validate({k: v for k, v in doc.items() if k != "status"})
+            except ValidationError as exc:
+                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            if parsed.metadata.name in runtimes:
+                raise RenderError(f"{_where(doc, index, sources)} is given twice")
+            runtimes[parsed.metadata.name] = _with_identity(doc, namespaced=False)
+        elif kind == "LLMService":
+            try:
+                LLMService.model_validate({k: v for k, v in doc.items() if k != "status"})
+            except ValidationError as exc:
+                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            services.append((index, _with_identity(doc, namespaced=True)))
+
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": obs.KEDA_CRD_NAME}}
+    related_runtimes = {name: runtimes[name] for name in sorted(runtimes)}
+    rendered: list[dict[str, Any]] = []
+    seen: set[tuple[str, str, str]] = set()
+    for index, service in services:
+        meta = service["metadata"]
+        key = ("LLMService", meta["namespace"], meta["name"])
+        if key in seen:
+            raise RenderError(f"{_where(service, index, sources)} is given twice")
+        seen.add(key)
+        request = {
+            "controller": {"metadata": {"name": "noctaya-llmservice"}},
+            "parent": service,
+            "children": {g: {} for g in (obs.DEPLOYMENT, obs.SERVICE, obs.SECRET, obs.PDB, obs.PVC, obs.JOB)},
+            "related": {
+                obs.RUNTIME: related_runtimes,
+                obs.CRD: {obs.KEDA_CRD_NAME: crd},
+                obs.POD: {},
+            },
+            "finalizing": False,
+        }
+        answer = sync.sync(request, cfg)
+        for cond in answer["status"]["conditions"]:
+            if cond["type"] == ConditionType.RUNTIME_RESOLVED and cond["status"] != "True":
+                hint = " (add its InferenceRuntime file to the inputs)" if cond["reason"] == "RuntimeNotFound" else ""
+                raise RenderError(f"{_where(service, index, sources)}: spec.runtime: {cond['message']}{hint}")
+            if cond["type"] == ConditionType.READY and cond["reason"] == "NotImplemented":
+                raise RenderError(f"{_where(service, index, sources)}: {cond['message']}")
+        rendered.extend(answer["children"])
+        decorated = autoscaling.sync(
+            {
+                "controller": {"metadata": {"name": "noctaya-llmservice-autoscaling"}},
+                "object": service,
+                "attachments": {obs.SCALED_OBJECT: {}},
+                "related": {obs.RUNTIME: related_runtimes},
+                "finalizing": False,
+            },
+            cfg,
+        )
+        rendered.extend(decorated["attachments"])
+    return rendered

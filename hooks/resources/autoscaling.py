@@ -1,0 +1,115 @@
+"""The KEDA ScaledObject of one LLMService (attached by the DecoratorController, never a child of
+the main CompositeController: a missing KEDA CRD would stall that whole controller).
+
+Triggers:
+- `external-push` at the internal scaler Service: gateway demand (queued + in flight). A pushed
+  `true` wakes the backend at once; KEDA's own polls of IsActive/GetMetrics drive 1→N and scale-in.
+- optional leading-signal `prometheus` triggers, OR-combined by KEDA, each tracking the hottest
+  replica: `max()` over the service's pods, with metricType Value so the HPA compares that
+  maximum against the threshold (AverageValue would divide it by the replica count).
+
+Behaviour when the scaler is unreachable (a deliberate choice): no `fallback`. Current KEDA,
+when a trigger errors and no fallback is set, marks the ScaledObject Ready=False (TriggerError) and
+changes nothing: it neither scales a serving backend in nor wakes an idle one, while the HPA keeps
+its last replica count for the failing metric. `fallback.replicas` would instead start (and keep)
+accelerators for a model nobody may be using during a scaler outage, and it only applies to
+AverageValue triggers anyway. Gateways re-push demand as soon as the scaler is back (StreamIsActive
+reconnects), so holding still is the safe side of an outage for a scale-to-zero model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hooks.api.llmservice import LeadingSignalTrigger
+from hooks.resources import labels, names
+from hooks.resources.context import RenderContext
+
+API_VERSION = "keda.sh/v1alpha1"
+DEMAND_TRIGGER = "gateway-demand"
+MAX_HPA_WINDOW_SECONDS = 3600  # the HPA API's upper bound for a stabilization window
+
+
+@dataclass(frozen=True)
+class ScaledObjectPlan:
+    scaled_object: dict[str, Any]
+    problems: list[str] = field(default_factory=list)  # leading-signal triggers that could not be built
+
+
+def _gauge(ctx: RenderContext, trigger: LeadingSignalTrigger) -> tuple[str | None, str]:
+    metrics = ctx.runtime.spec.metrics
+    if trigger.signal == "InFlightRatio":
+        return (metrics.in_flight_metric if metrics else None), "inFlightMetric"
+    if trigger.signal == "KVCacheUsage":
+        return (metrics.kv_cache_usage_metric if metrics else None), "kvCacheUsageMetric"
+    return (metrics.waiting_metric if metrics else None), "waitingMetric"
+
+
+def leading_query(ctx: RenderContext, trigger: LeadingSignalTrigger) -> str | None:
+    """PromQL for one leading signal, or None when the runtime does not name the gauge."""
+    if trigger.query:
+        return trigger.query
+    gauge, _ = _gauge(ctx, trigger)
+    if gauge is None:
+        return None
+    # `namespace` and `service` are the labels a ServiceMonitor on the backend Service attaches.
+    series = f'{gauge}{{namespace="{ctx.namespace}",service="{names.backend(ctx.name)}"}}'
+    query = f"max({series})"
+    if trigger.signal == "InFlightRatio":
+        query = f"{query} / {trigger.max_concurrent_sequences}"
+    return query
+
+
+def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
+    scaling = ctx.service.spec.scaling
+    cooldown = ctx.seconds(scaling.cooldown_period)
+    demand: dict[str, Any] = {
+        "type": "external-push",
+        "name": DEMAND_TRIGGER,
+        "metricType": "AverageValue",
+        "metadata": {"scalerAddress": ctx.scaler_address},
+    }
+    tls = ctx.service.spec.scaler_tls
+    if tls is not None:
+        # KEDA turns TLS on from enableTLS (or from the certificates); the PEMs come from the
+        # TriggerAuthentication (caCert, tlsClientCert, tlsClientKey), never from the scaler.
+        demand["metadata"]["enableTLS"] = "true"
+        demand["authenticationRef"] = {"name": tls.trigger_authentication, "kind": "TriggerAuthentication"}
+    triggers = [demand]
+    problems: list[str] = []
+    for index, trigger in enumerate(scaling.triggers):
+        query = leading_query(ctx, trigger)
+        if query is None:
+            _, field_name = _gauge(ctx, trigger)
+            problems.append(
+                f"scaling.triggers[{index}] ({trigger.signal}) needs the runtime's metrics.{field_name} or an explicit query"
+            )
+            continue
+        triggers.append(
+            {
+                "type": "prometheus",
+                "name": f"{trigger.signal.lower()}-{index}",
+                "metricType": "Value",
+                "metadata": {"serverAddress": trigger.server_address, "query": query, "threshold": trigger.threshold},
+            }
+        )
+    obj = {
+        "apiVersion": API_VERSION,
+        "kind": "ScaledObject",
+        "metadata": ctx.metadata(names.scaled_object(ctx.name), labels.BACKEND),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.backend(ctx.name)},
+            "minReplicaCount": scaling.min,
+            "maxReplicaCount": scaling.max,
+            "pollingInterval": ctx.seconds(scaling.polling_interval),
+            "cooldownPeriod": cooldown,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {"scaleDown": {"stabilizationWindowSeconds": min(cooldown, MAX_HPA_WINDOW_SECONDS)}},
+                },
+            },
+            "triggers": triggers,
+        },
+    }
+    return ScaledObjectPlan(obj, problems)

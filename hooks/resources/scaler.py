@@ -1,0 +1,106 @@
+"""The internal scaler Service KEDA dials, and the aggregate scaler of a multi-gateway LLMService.
+
+With one gateway the ExternalScaler runs inside it, so the scaler Service selects the gateway Pod.
+With several, each gateway reports its demand to one aggregator, and the scaler Service selects
+the aggregator. Either way the gRPC port is only on this internal Service, never the public one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hooks.resources import gateway, labels, names
+from hooks.resources.context import METRIC_NAME, REPORT_PORT, SCALER_GRPC_PORT, RenderContext
+
+MAX_MEMBERS = 64
+MEMBER_TTL_SECONDS = 10
+MAX_CONCURRENT_REPORTS = 16
+AGGREGATOR_RESOURCES = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
+
+
+def service(ctx: RenderContext) -> dict[str, Any]:
+    target = labels.AGGREGATOR if ctx.multi_gateway else labels.GATEWAY
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.metadata(names.scaler(ctx.name), labels.SCALER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels.selector(ctx.name, target),
+            "ports": [{"name": "grpc", "port": SCALER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}],
+        },
+    }
+
+
+def _env(name: str, value: str | int) -> dict[str, str]:
+    return {"name": name, "value": str(value)}
+
+
+def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
+    spec = ctx.service.spec
+    env = [
+        _env("NOCTAYA_REPORT_PORT", REPORT_PORT),
+        _env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT),
+        _env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.TOKEN_KEY}"),
+        _env("NOCTAYA_MAX_MEMBERS", MAX_MEMBERS),
+        _env("NOCTAYA_MAX_MEMBER_DEMAND", spec.endpoint.max_queue),
+        _env("NOCTAYA_MEMBER_TTL_SECONDS", MEMBER_TTL_SECONDS),
+        _env("NOCTAYA_MAX_CONCURRENT_REPORTS", MAX_CONCURRENT_REPORTS),
+        _env("NOCTAYA_SCALING_TARGET", spec.scaling.target_per_replica),
+        _env("NOCTAYA_METRIC_NAME", METRIC_NAME),
+    ]
+    vol, mount = gateway.token_volume(ctx)
+    volumes = [vol]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, mount]
+    if spec.scaler_tls is not None:
+        env.extend(gateway.tls_env())
+        tls_vol, tls_mount = gateway.tls_volume(ctx)
+        volumes.append(tls_vol)
+        mounts.append(tls_mount)
+    container = {
+        "name": "aggregator",
+        "image": ctx.config.image,
+        "imagePullPolicy": ctx.config.image_pull_policy,
+        "command": ["python", "-m", "scaler", "aggregate"],
+        "env": [*env, _env("PYTHONDONTWRITEBYTECODE", 1), _env("PYTHONUNBUFFERED", 1)],
+        "ports": [
+            {"name": "report", "containerPort": REPORT_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": SCALER_GRPC_PORT, "protocol": "TCP"},
+        ],
+        "resources": AGGREGATOR_RESOURCES,
+        "securityContext": gateway.restricted_container_security(),
+        "readinessProbe": gateway.http_probe("/healthz", "report", 5, 2),
+        "livenessProbe": gateway.http_probe("/healthz", "report", 10, 6),
+        "volumeMounts": mounts,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": ctx.metadata(names.aggregator(ctx.name), labels.AGGREGATOR),
+        "spec": {
+            # Memory-only by design: one replica; after a restart the gateways' 2 s heartbeats rebuild it.
+            "replicas": 1,
+            "selector": {"matchLabels": labels.selector(ctx.name, labels.AGGREGATOR)},
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {"labels": labels.labels(ctx.name, labels.AGGREGATOR)},
+                "spec": gateway.restricted_pod_spec([container], volumes),
+            },
+        },
+    }
+
+
+def aggregator_service(ctx: RenderContext) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.metadata(names.aggregator(ctx.name), labels.AGGREGATOR),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels.selector(ctx.name, labels.AGGREGATOR),
+            "ports": [
+                {"name": "report", "port": REPORT_PORT, "targetPort": "report", "protocol": "TCP"},
+                {"name": "grpc", "port": SCALER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+            ],
+        },
+    }

@@ -1,0 +1,234 @@
+"""`python -m gateway` as a real process: the in-process gRPC scaler (NOCTAYA_SCALER_MODE=local)
+pushes demand over a real StreamIsActive stream, and SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from scaler import externalscaler_pb2 as pb
+from scaler import externalscaler_pb2_grpc as pb_grpc
+from tests.gateway.conftest import wait_for
+from tests.gateway.fakebackend import FakeBackend, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+MESSAGES = [{"role": "user", "content": "hi"}]
+REF = pb.ScaledObjectRef(name="qwen", namespace="models", scalerMetadata={"scalerAddress": "x:9090"})
+
+
+class GatewayProcess:
+    def __init__(self, backend: FakeBackend, **env: str) -> None:
+        self.port = free_port()
+        self.scaler_port = free_port()
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "NOCTAYA_BACKEND_URL": backend.url,
+            "NOCTAYA_SERVED_MODEL_NAME": "test-model",
+            "NOCTAYA_LISTEN_HOST": "127.0.0.1",
+            "NOCTAYA_LISTEN_PORT": str(self.port),
+            "NOCTAYA_SCALER_MODE": "local",
+            "NOCTAYA_SCALER_PORT": str(self.scaler_port),
+            "NOCTAYA_PROBE_INTERVAL_SECONDS": "0.05",
+            "NOCTAYA_READY_GRACE_SECONDS": "0.5",
+            "NOCTAYA_ACTIVATION_TIMEOUT_SECONDS": "20",
+            **env,
+        }
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=ROOT, env=full_env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_for(self._up, timeout=30, interval=0.05, what="gateway process listening")
+
+    def _up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"gateway exited: {self.proc.stdout.read().decode()}")
+        try:
+            return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def channel_factory() -> Iterator:
+    channels: list[grpc.Channel] = []
+
+    def make(port: int) -> grpc.Channel:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(ch).result(timeout=20)
+        channels.append(ch)
+        return ch
+
+    yield make
+    for ch in channels:
+        ch.close()
+
+
+def read_stream(stub: pb_grpc.ExternalScalerStub, out: queue.Queue) -> threading.Thread:
+    def run() -> None:
+        try:
+            for msg in stub.StreamIsActive(REF):
+                out.put((time.monotonic(), msg.result))
+            out.put(("end", grpc.StatusCode.OK))
+        except grpc.RpcError as exc:
+            out.put(("end", exc.code()))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def next_value(q: queue.Queue, timeout: float = 10.0):
+    return q.get(timeout=timeout)
+
+
+def test_cold_request_pushes_true_on_the_real_stream(backend, channel_factory) -> None:
+    gw = GatewayProcess(backend, NOCTAYA_SCALING_TARGET="4")
+    try:
+        stub = pb_grpc.ExternalScalerStub(channel_factory(gw.scaler_port))
+        assert stub.IsActive(REF, timeout=5).result is False
+        spec = stub.GetMetricSpec(REF, timeout=5).metricSpecs[0]
+        assert spec.metricName == "noctaya-demand" and spec.targetSize == 4
+        pushes: queue.Queue = queue.Queue()
+        read_stream(stub, pushes)
+        assert next_value(pushes)[1] is False  # current state on open
+        sent_at = time.monotonic()
+        t = threading.Thread(target=lambda: requests.post(
+            gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=60), daemon=True)
+        t.start()
+        at, value = next_value(pushes)
+        assert value is True and at - sent_at < 5.0  # latency itself is measured in bench/
+        assert stub.IsActive(REF, timeout=5).result is True
+        metric = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=REF, metricName="noctaya-demand"), timeout=5)
+        assert metric.metricValues[0].metricValue == 1
+        backend.start()
+        t.join(30)
+        wait_for(lambda: stub.IsActive(REF, timeout=5).result is False, timeout=20, what="inactive after grace")
+    finally:
+        gw.stop()
+
+
+def test_sigterm_drains(backend, channel_factory) -> None:
+    backend.tokens = 15
+    backend.stream_delay = 0.1
+    backend.start()
+    gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="20")
+    try:
+        stub = pb_grpc.ExternalScalerStub(channel_factory(gw.scaler_port))
+        pushes: queue.Queue = queue.Queue()
+        stream_thread = read_stream(stub, pushes)
+        next_value(pushes)
+        chunks: list[bytes] = []
+
+        def long_request() -> None:
+            with requests.post(gw.url + "/v1/chat/completions", timeout=60, stream=True,
+                               json={"model": "m", "messages": MESSAGES, "stream": True}) as resp:
+                for chunk in resp.iter_content(None):
+                    chunks.append(chunk)
+
+        t = threading.Thread(target=long_request, daemon=True)
+        t.start()
+        wait_for(lambda: chunks, timeout=20, what="stream started")
+        gw.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: requests.get(gw.url + "/healthz", timeout=2).status_code == 503, what="not ready")
+        resp = requests.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=5)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_draining"
+        assert stub.IsActive(REF, timeout=5).result is True  # in-flight work still counts as demand
+        t.join(30)
+        body = b"".join(chunks)
+        assert body.count(b"data: {") == 15 and b"data: [DONE]" in body  # finished within the grace
+        assert gw.proc.wait(20) == 0
+        stream_thread.join(10)
+        events = []
+        while not pushes.empty():
+            events.append(pushes.get())
+        assert events[-1] == ("end", grpc.StatusCode.OK)  # KEDA resets its backoff only on OK
+        logs = gw.proc.stdout.read().decode()
+        lines = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+        assert any(line["msg"] == "drained" for line in lines)
+    finally:
+        gw.stop()
+
+
+def test_help_and_config_errors() -> None:
+    out = subprocess.run([sys.executable, "-m", "gateway", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 0 and "NOCTAYA_MAX_QUEUE" in out.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NOCTAYA_")}
+    out = subprocess.run([sys.executable, "-m", "gateway"], cwd=ROOT, capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 2 and "NOCTAYA_BACKEND_URL" in out.stderr
+
+
+class _Aggregator:
+    """Records demand reports like the aggregate scaler's /v1/report would receive them."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        reports: list[tuple[str, dict]] = []
+        self.reports = reports
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                reports.append((self.headers.get("Authorization", ""), json.loads(body)))
+                out = b'{"outcome":"accepted","members":1}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/v1/report"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_report_mode_pushes_demand_and_withdraws_on_sigterm(backend, tmp_path) -> None:
+    aggregator = _Aggregator()
+    token = tmp_path / "token"
+    token.write_text("member-token\n")
+    gw = GatewayProcess(backend, NOCTAYA_SCALER_MODE="report", NOCTAYA_AGGREGATOR_URL=aggregator.url,
+                        NOCTAYA_AGGREGATOR_TOKEN_FILE=str(token), NOCTAYA_DRAIN_GRACE_SECONDS="5")
+    try:
+        wait_for(lambda: aggregator.reports, what="first report")
+        t = threading.Thread(target=lambda: requests.post(
+            gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=60), daemon=True)
+        t.start()
+        wait_for(lambda: any(r["queued"] == 1 and r["leaseActive"] for _, r in aggregator.reports),
+                 what="cold demand reported")
+        backend.start()
+        t.join(30)
+        gw.proc.send_signal(signal.SIGTERM)
+        assert gw.proc.wait(20) == 0
+        auth, last = aggregator.reports[-1]
+        assert last["withdraw"] is True and auth == "Bearer member-token"
+        seqs = [r["seq"] for _, r in aggregator.reports]
+        assert seqs == sorted(seqs) and len({r["member"] for _, r in aggregator.reports}) == 1
+    finally:
+        gw.stop()
+        aggregator.stop()

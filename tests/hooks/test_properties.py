@@ -1,0 +1,163 @@
+"""Property tests over generated valid specs: deterministic, idempotent, safe names and labels."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from hypothesis import HealthCheck, given, settings
+
+from hooks.controller import autoscaling, sync
+from hooks.resources import labels as lb
+from hooks.resources import names
+from tests.hooks import helpers as h
+from tests.hooks.strategies import scenarios
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def _request(service: dict, runtimes: list[dict], children: list[dict] | None = None) -> dict:
+    req = h.sync_request(service, runtimes=runtimes, children=children)
+    ns = service["metadata"]["namespace"]
+    for group in req["children"].values():
+        for key in list(group):
+            obj = group.pop(key)
+            obj["metadata"]["namespace"] = ns
+            group[f"{ns}/{obj['metadata']['name']}"] = obj
+    return req
+
+
+def _all_labels(obj: dict) -> list[dict]:
+    found = [obj["metadata"].get("labels") or {}]
+    spec = obj.get("spec") or {}
+    if isinstance(spec.get("selector"), dict):
+        sel = spec["selector"]
+        found.append(sel.get("matchLabels", sel) if obj["kind"] != "Service" else sel)
+    template = spec.get("template") or {}
+    found.append((template.get("metadata") or {}).get("labels") or {})
+    return found
+
+
+@SETTINGS
+@given(scenarios())
+def test_sync_is_deterministic(scenario: tuple[dict, list[dict]]) -> None:
+    service, runtimes = scenario
+    first = sync.sync(_request(service, runtimes), h.config())
+    second = sync.sync(copy.deepcopy(_request(service, runtimes)), h.config())
+    assert json.dumps(first) == json.dumps(second)
+    so1 = autoscaling.sync(h.decorator_request(service, runtimes), h.config())
+    so2 = autoscaling.sync(h.decorator_request(copy.deepcopy(service), copy.deepcopy(runtimes)), h.config())
+    assert json.dumps(so1) == json.dumps(so2)
+
+
+@SETTINGS
+@given(scenarios())
+def test_sync_is_idempotent_and_settles(scenario: tuple[dict, list[dict]]) -> None:
+    service, runtimes = scenario
+    first = sync.sync(_request(service, runtimes), h.config())
+    observed = h.observe_all(first["children"])
+    for child in observed:
+        child["metadata"]["namespace"] = service["metadata"]["namespace"]
+    with_status = {**service, "status": first["status"]}
+    second = sync.sync(_request(with_status, runtimes, observed), h.config(h.LATER_TIME))
+    assert second["children"] == first["children"]
+    # Status reaches a fixed point: a third sync over the same observed state changes nothing.
+    third = sync.sync(_request({**service, "status": second["status"]}, runtimes, observed), h.config("2030-01-01T00:00:00Z"))
+    assert third == second
+
+
+@SETTINGS
+@given(scenarios())
+def test_children_are_safe(scenario: tuple[dict, list[dict]]) -> None:
+    service, runtimes = scenario
+    answer = sync.sync(_request(service, runtimes), h.config())
+    children = answer["children"] + autoscaling.sync(h.decorator_request(service, runtimes), h.config())["attachments"]
+    assert set(answer) == {"status", "children", "resyncAfterSeconds", "finalized"}
+    assert any(c["kind"] == "Deployment" and c["metadata"]["labels"][lb.COMPONENT] == "backend" for c in children)
+    keys = set()
+    for child in children:
+        meta = child["metadata"]
+        assert names.is_dns1035_label(meta["name"]), meta["name"]
+        assert meta["namespace"] == service["metadata"]["namespace"]
+        assert meta["labels"][lb.LLMSERVICE] == lb.label_value(service["metadata"]["name"])
+        assert meta["labels"][lb.COMPONENT]
+        for labels in _all_labels(child):
+            for key, value in labels.items():
+                assert lb.is_valid_label_key(key), key
+                assert lb.is_valid_label_value(value), value
+        if child["kind"] == "Deployment" and meta["labels"][lb.COMPONENT] == "backend":
+            assert "replicas" not in child["spec"]
+        key = (child["kind"], meta["name"])
+        assert key not in keys, f"duplicate child {key}"
+        keys.add(key)
+    # The public Service never exposes the gRPC scaler.
+    public = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == names.public_service(service["metadata"]["name"]))
+    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
+    # No Secret data anywhere in status.
+    assert "data" not in json.dumps(answer["status"])
+
+
+@SETTINGS
+@given(scenarios())
+def test_breakage_never_drops_a_child(scenario: tuple[dict, list[dict]]) -> None:
+    service, runtimes = scenario
+    first = sync.sync(_request(service, runtimes), h.config())
+    observed = h.observe_all(first["children"])
+    for child in observed:
+        child["metadata"]["namespace"] = service["metadata"]["namespace"]
+    want = {(c["kind"], c["metadata"]["name"]) for c in observed}
+    bad_spec = copy.deepcopy(service)
+    bad_spec["spec"]["scaling"]["min"] = 5000
+    for request in (
+        _request(bad_spec, runtimes, observed),
+        _request(service, [], observed),
+        {**_request(service, runtimes, observed), "related": {**_request(service, runtimes, observed)["related"],
+                                                              "CustomResourceDefinition.apiextensions.k8s.io/v1": {}}},
+    ):
+        answer = sync.sync(request, h.config())
+        assert {(c["kind"], c["metadata"]["name"]) for c in answer["children"]} >= want
+        ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False" and ready["reason"] in ("InvalidSpec", "RuntimeNotFound", "KEDANotInstalled")
+        for child in answer["children"]:
+            assert "status" not in child and "resourceVersion" not in child["metadata"]
+            if child["kind"] == "Deployment" and child["metadata"]["labels"][lb.COMPONENT] == "backend":
+                assert "replicas" not in child["spec"]
+
+
+@SETTINGS
+@given(scenarios())
+def test_scaled_object_always_matches_keda_schema(scenario: tuple[dict, list[dict]]) -> None:
+    from tests.hooks import schemas
+
+    service, runtimes = scenario
+    (so,) = autoscaling.sync(h.decorator_request(service, runtimes), h.config())["attachments"]
+    assert schemas.openapi_problems(so, schemas.load_crd_schema()) == []
+    spec = so["spec"]
+    assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    assert spec["scaleTargetRef"]["name"] == names.backend(service["metadata"]["name"])
+    assert spec["triggers"][0]["type"] == "external-push"
+
+
+@SETTINGS
+@given(scenarios())
+def test_finalize_never_finishes_early(scenario: tuple[dict, list[dict]]) -> None:
+    from hooks.controller import finalize
+
+    service, runtimes = scenario
+    first = sync.sync(_request(service, runtimes), h.config())
+    observed = h.observe_all(first["children"])
+    for child in observed:
+        child["metadata"]["namespace"] = service["metadata"]["namespace"]
+    pods = [h.pod("p-1", ready=True, service=lb.label_value(service["metadata"]["name"]))]
+    state = observed
+    for _ in range(4):  # each round, Kubernetes deletes whatever the hook stopped returning
+        answer = finalize.finalize({**_request(service, runtimes, state), "related": {"Pod.v1": {"ns/p-1": pods[0]} if pods else {}}}, h.config())
+        kept = {(c["kind"], c["metadata"]["name"]) for c in answer["children"]}
+        gateway_observed = any(c["kind"] == "Deployment" and c["metadata"]["labels"][lb.COMPONENT] == "gateway" for c in state)
+        if gateway_observed:
+            assert all(c["metadata"]["labels"][lb.COMPONENT] in ("backend", "cache") for c in answer["children"])
+        assert answer["finalized"] == (not state and not pods)
+        state = [c for c in state if (c["kind"], c["metadata"]["name"]) in kept]
+        if not state:
+            pods = []  # the backend Pods drain once their Deployment is gone
+    assert answer["finalized"] is True

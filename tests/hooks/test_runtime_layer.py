@@ -1,0 +1,115 @@
+"""Runtime selection, vendor adapters, scheduling hints and the vendor-neutral pod."""
+
+from __future__ import annotations
+
+import pytest
+
+from hooks.api.llmservice import LLMService, RuntimeRef
+from hooks.api.runtime import Accelerator, InferenceRuntime
+from hooks.api.status import Reason
+from hooks.runtime import pod, vendors
+from hooks.runtime.select import select_runtime
+from tests.hooks import helpers as h
+
+
+def _ref(**kw: object) -> RuntimeRef:
+    return RuntimeRef.model_validate(kw)
+
+
+def test_select_by_name_and_missing() -> None:
+    got = select_runtime(_ref(name="b"), [h.runtime("a"), h.runtime("b")])
+    assert got.resolved and got.runtime.metadata.name == "b"
+    missing = select_runtime(_ref(name="c"), [h.runtime("a")])
+    assert not missing.resolved and missing.reason == Reason.RUNTIME_NOT_FOUND
+
+
+def test_select_invalid_named_runtime_is_reported() -> None:
+    broken = h.runtime("a", engine="custom", args=[])
+    got = select_runtime(_ref(name="a"), [broken])
+    assert got.reason == Reason.INVALID_SPEC and "custom engine needs a command" in got.message
+
+
+def test_selector_highest_priority_wins_and_ties_are_ambiguous() -> None:
+    rts = [h.runtime("low", priority=1, labels={"x": "1"}), h.runtime("high", priority=9, labels={"x": "1"}),
+           h.runtime("other", priority=99, labels={"x": "2"})]
+    got = select_runtime(_ref(selector={"matchLabels": {"x": "1"}}), rts)
+    assert got.runtime.metadata.name == "high"
+    tie = select_runtime(_ref(selector={"matchLabels": {"x": "1"}}), [*rts, h.runtime("twin", priority=9, labels={"x": "1"})])
+    assert not tie.resolved and tie.reason == Reason.AMBIGUOUS_RUNTIME and "high, twin" in tie.message
+    # Invalid candidates are skipped (and named), never chosen.
+    bad = h.runtime("zbad", priority=100, labels={"x": "1"}, engine="custom", args=[])
+    skip = select_runtime(_ref(selector={"matchLabels": {"x": "1"}}), [*rts, bad])
+    assert skip.runtime.metadata.name == "high" and "zbad" in skip.message
+    none = select_runtime(_ref(selector={"matchExpressions": [{"key": "x", "operator": "In", "values": ["3"]}]}), rts)
+    assert none.reason == Reason.RUNTIME_NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    ("vendor", "resource"),
+    [("nvidia", "nvidia.com/gpu"), ("amd", "amd.com/gpu"), ("intel-gaudi", "habana.ai/gaudi"),
+     ("ascend", "huawei.com/Ascend910"), ("none", None)],
+)
+def test_vendor_adapters(vendor: str, resource: str | None) -> None:
+    place = vendors.placement(Accelerator(vendor=vendor), 2)
+    assert place.limits == ({resource: "2"} if resource else {})
+    assert [t["key"] for t in place.tolerations] == ([resource] if resource else [])
+    assert vendors.placement(Accelerator(vendor=vendor), 0).limits == {}
+    override = vendors.placement(Accelerator(vendor=vendor, resource_name="example.com/dev"), 1)
+    assert override.limits == {"example.com/dev": "1"}
+
+
+def test_every_vendor_literal_has_an_adapter() -> None:
+    from typing import get_args
+
+    from hooks.api.runtime import Vendor
+
+    assert set(get_args(Vendor)) == set(vendors.ADAPTERS)
+
+
+def _pod(service_spec: dict, **runtime_spec: object) -> dict:
+    service = LLMService.model_validate(h.llmservice(**service_spec))
+    runtime = InferenceRuntime.model_validate(h.runtime(**runtime_spec))
+    return pod.pod_template(service, runtime, {"a": "b"}, pod.CacheMount({"emptyDir": {}}))
+
+
+def test_env_order_allows_var_expansion_and_overrides_keep_position() -> None:
+    spec = _pod({"runtime": {"name": "vllm-nvidia", "env": [{"name": "NOCTAYA_PORT", "value": "9000"}, {"name": "EXTRA", "value": "$(NOCTAYA_PORT)"}],
+                             "args": ["--tp", "2"]}},
+                env=[{"name": "RT", "value": "$(NOCTAYA_MODEL_PATH)"}])["spec"]
+    container = spec["containers"][0]
+    env_names = [e["name"] for e in container["env"]]
+    assert env_names[:5] == ["NOCTAYA_MODEL_PATH", "NOCTAYA_SERVED_NAME", "NOCTAYA_PORT", "NOCTAYA_ACCELERATORS", "NOCTAYA_MODEL_REVISION"]
+    assert env_names.index("RT") < env_names.index("EXTRA")
+    assert {e["name"]: e.get("value") for e in container["env"]}["NOCTAYA_PORT"] == "9000"
+    assert container["args"][-2:] == ["--tp", "2"]
+
+
+def test_probes_drain_and_grace() -> None:
+    spec = _pod({}, lifecycle={"drainTimeout": "45s"})["spec"]
+    c = spec["containers"][0]
+    assert c["startupProbe"]["periodSeconds"] == 10 and c["startupProbe"]["failureThreshold"] == 60
+    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 45}}
+    assert spec["terminationGracePeriodSeconds"] >= 45 + 10
+    custom = _pod({}, probes={"readiness": {"path": "/v1/models", "periodSeconds": 2}})["spec"]["containers"][0]
+    assert custom["readinessProbe"]["httpGet"] == {"path": "/v1/models", "port": "http"}
+
+
+def test_pvc_source_mounts_read_only_with_sub_path_and_credentials_stay_out_of_args() -> None:
+    spec = _pod({"model": {"source": "pvc://weights/llama/3b"}})["spec"]
+    mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == pod.MODEL_VOLUME)
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "llama/3b"}
+    vol = next(v for v in spec["volumes"] if v["name"] == pod.MODEL_VOLUME)
+    assert vol["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    hub = _pod({"model": {"source": "hf://org/m", "credentialsSecret": {"name": "hf"}}})["spec"]["containers"][0]
+    token = next(e for e in hub["env"] if e["name"] == "HF_TOKEN")
+    assert token == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert "hf" not in " ".join(hub.get("args", []))
+
+
+def test_scheduling_hints() -> None:
+    spec = _pod({}, scheduling={"schedulerName": "volcano", "priorityClassName": "p", "volcano": {"queue": "q", "podGroup": "g"},
+                                "hami": {"gpuMemoryMiB": 1000, "gpuCoresPercent": 30}})
+    assert spec["spec"]["schedulerName"] == "volcano" and spec["spec"]["priorityClassName"] == "p"
+    assert spec["metadata"]["annotations"] == {"scheduling.k8s.io/group-name": "g", "scheduling.volcano.sh/queue-name": "q"}
+    limits = spec["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30", "nvidia.com/gpumem": "1000"}

@@ -1,0 +1,130 @@
+"""The examples as the hooks and Prometheus read them (no API server needed): every LLMService and
+InferenceRuntime parses with the pydantic models, runtimes named by models exist, and every Noctaya
+metric the alerts and the dashboard query is one the programs really export."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import REJECTION_REASONS, GatewayMetrics
+from hooks.api import InferenceRuntime, LLMService
+from hooks.metrics import HookMetrics
+from tests.kube.manifests import EXAMPLES_DIR, example_documents, load_documents
+
+OBSERVABILITY_DIR = EXAMPLES_DIR / "observability"
+METRIC_TOKEN = re.compile(r"\bnoctaya_[a-z_]+\b")
+
+
+def _id(item: tuple[Path, dict[str, Any]]) -> str:
+    path, doc = item
+    return f"{path.relative_to(EXAMPLES_DIR)}:{doc['metadata']['name']}"
+
+
+@pytest.mark.parametrize("item", example_documents("LLMService"), ids=_id)
+def test_llmservice_example_parses_with_the_model(item: tuple[Path, dict[str, Any]]) -> None:
+    _path, doc = item
+    LLMService.model_validate({**doc, "metadata": {**doc["metadata"], "namespace": "examples"}})
+
+
+@pytest.mark.parametrize("item", example_documents("InferenceRuntime"), ids=_id)
+def test_runtime_example_parses_with_the_model(item: tuple[Path, dict[str, Any]]) -> None:
+    InferenceRuntime.model_validate(item[1])
+
+
+def test_examples_cover_every_vendor_family_and_model_source() -> None:
+    runtimes = [InferenceRuntime.model_validate(d) for _, d in example_documents("InferenceRuntime")]
+    assert {"nvidia", "amd", "none"} <= {r.spec.accelerator.vendor for r in runtimes}
+    assert {"ascend", "intel-gaudi"} & {r.spec.accelerator.vendor for r in runtimes}
+    assert {"vllm", "sglang", "llamacpp"} <= {r.spec.engine for r in runtimes}
+    services = [LLMService.model_validate(d) for _, d in example_documents("LLMService")]
+    assert {"hf", "oci", "pvc"} <= {s.spec.model.parsed.scheme for s in services}
+    assert any(s.spec.scaling.min == 0 for s in services) and any(s.spec.scaling.min >= 1 for s in services)
+    assert any(s.spec.endpoint.replicas > 1 for s in services)
+    assert any(s.spec.cache.strategy == "SharedPVC" and s.spec.cache.prewarm for s in services)
+    assert any(s.spec.endpoint.auth is not None for s in services)
+    assert any(s.spec.scaling.triggers for s in services)
+    assert any(s.spec.scaler_tls is not None for s in services)
+
+
+def test_models_name_runtimes_that_exist_in_the_examples() -> None:
+    runtimes = {d["metadata"]["name"]: d for _, d in example_documents("InferenceRuntime")}
+    for path, doc in example_documents("LLMService"):
+        ref = doc["spec"]["runtime"]
+        if "name" in ref:
+            assert ref["name"] in runtimes, f"{path.name}: runtime {ref['name']} is not among the examples"
+        else:
+            want = ref["selector"].get("matchLabels", {})
+            matches = [n for n, r in runtimes.items() if want.items() <= r["metadata"].get("labels", {}).items()]
+            assert matches, f"{path.name}: the runtime selector matches no example runtime"
+
+
+def exported_metric_names() -> set[str]:
+    """Sample names the gateway and hook server expose (counters with _total, histogram series)."""
+    gateway = GatewayMetrics()
+    gateway.count_response(200)
+    for reason in REJECTION_REASONS:
+        gateway.reject(reason)
+    gateway.activation_duration.observe(1)
+    gateway.ttfb.observe(0.1)
+    hooks = HookMetrics()
+    hooks.prime(["llmservice_sync"])
+    names: set[str] = set()
+    for registry in (gateway.registry, hooks.registry):
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            names |= {sample.name for sample in family.samples}
+    return names
+
+
+def queried_metric_names() -> dict[str, str]:
+    """noctaya_* names in the alert rules and dashboard queries, mapped to where they appear."""
+    found: dict[str, str] = {}
+    for doc in load_documents(OBSERVABILITY_DIR / "prometheusrule.yaml"):
+        for group in doc["spec"]["groups"]:
+            for rule in group["rules"]:
+                for name in METRIC_TOKEN.findall(rule["expr"]):
+                    found.setdefault(name, f"alert {rule['alert']}")
+    dashboard = json.loads((OBSERVABILITY_DIR / "grafana-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            for name in METRIC_TOKEN.findall(target["expr"]):
+                found.setdefault(name, f"panel {panel['title']}")
+    return found
+
+
+def test_alerts_and_dashboard_query_exported_metrics() -> None:
+    exported = exported_metric_names()
+    queried = queried_metric_names()
+    assert len(queried) >= 8
+    unknown = {name: where for name, where in queried.items() if name not in exported}
+    assert not unknown, f"queried but never exported: {unknown}; exported: {sorted(exported)}"
+
+
+def test_alerts_cover_the_operational_failures() -> None:
+    (rule_doc,) = load_documents(OBSERVABILITY_DIR / "prometheusrule.yaml")
+    alerts = {r["alert"]: r for g in rule_doc["spec"]["groups"] for r in g["rules"]}
+    assert {"NoctayaActivationTimeouts", "NoctayaHigh429Rate", "NoctayaPrewarmFailed", "NoctayaStuckActivating"} <= set(alerts)
+    assert 'reason="activation_timeout"' in alerts["NoctayaActivationTimeouts"]["expr"]
+    assert "activation_timeout" in REJECTION_REASONS
+    assert 'code="429"' in alerts["NoctayaHigh429Rate"]["expr"]
+    for alert in alerts.values():
+        assert alert["annotations"]["summary"] and alert["labels"]["severity"]
+
+
+def test_dashboard_shows_queue_in_flight_activation_and_replicas() -> None:
+    dashboard = json.loads((OBSERVABILITY_DIR / "grafana-dashboard.json").read_text())
+    exprs = {p["title"]: " ".join(t["expr"] for t in p.get("targets", [])) for p in dashboard["panels"]}
+    assert "noctaya_gateway_queue_depth" in exprs["Queue depth"]
+    assert "noctaya_gateway_in_flight" in exprs["In flight"]
+    assert "noctaya_gateway_activation_duration_seconds_bucket" in exprs["Activation time"]
+    assert "kube_deployment_status_replicas_ready" in exprs["Backend replicas"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "llmservice"} <= variables

@@ -1,0 +1,195 @@
+"""The install manifests and every example, applied to a real API server with server-side apply.
+
+`kubectl apply --server-side` validates strictly on the server: an unknown or misspelt field, a
+wrong type, a failed CEL rule or a missing CRD fails the apply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from hooks.app import HOOK_ROUTES
+from tests.kube.apiserver import ControlPlane
+from tests.kube.manifests import METACONTROLLER_DIR, ApplyUnit, example_units, has_explicit_namespace
+
+# Fixture setup (which may build the binaries) has its own deadlines; each test body gets this.
+pytestmark = pytest.mark.timeout(180, func_only=True)
+
+HOOK_HOST = "http://noctaya-hooks.noctaya-system.svc:8080"
+EXAMPLES_NAMESPACE = "examples"
+METACONTROLLER_SA = "system:serviceaccount:metacontroller:metacontroller"
+
+
+def get_json(kube: ControlPlane, *args: str) -> dict[str, Any]:
+    return json.loads(kube.kubectl("get", "-o", "json", *args).stdout)
+
+
+def test_noctaya_crds_are_established_and_structural(kube: ControlPlane, noctaya_crds: list[str]) -> None:
+    assert sorted(noctaya_crds) == ["inferenceruntimes.serving.noctaya.io", "llmservices.serving.noctaya.io"]
+    for name in noctaya_crds:
+        crd = get_json(kube, "crd", name)
+        conditions = {c["type"]: c for c in crd["status"]["conditions"]}
+        assert conditions["Established"]["status"] == "True"
+        assert conditions["NamesAccepted"]["status"] == "True"
+        # The API server flags schemas it cannot prune or default as NonStructuralSchema.
+        assert "NonStructuralSchema" not in conditions, conditions["NonStructuralSchema"]["message"]
+        (version,) = crd["spec"]["versions"]
+        assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+        assert version["subresources"] == {"status": {}}
+
+
+def test_metacontroller_kustomization_installs_everything(installed: ControlPlane) -> None:
+    names = installed.kubectl("get", "-k", str(METACONTROLLER_DIR), "-o", "name").stdout.split()
+    assert set(names) >= {
+        "namespace/noctaya-system",
+        "customresourcedefinition.apiextensions.k8s.io/llmservices.serving.noctaya.io",
+        "customresourcedefinition.apiextensions.k8s.io/inferenceruntimes.serving.noctaya.io",
+        "compositecontroller.metacontroller.k8s.io/noctaya-llmservice",
+        "compositecontroller.metacontroller.k8s.io/noctaya-inferenceruntime",
+        "decoratorcontroller.metacontroller.k8s.io/noctaya-llmservice-autoscaling",
+        "deployment.apps/noctaya-hooks",
+        "service/noctaya-hooks",
+        "poddisruptionbudget.policy/noctaya-hooks",
+        "serviceaccount/noctaya-hooks",
+        "clusterrole.rbac.authorization.k8s.io/noctaya-metacontroller",
+        "clusterrolebinding.rbac.authorization.k8s.io/noctaya-metacontroller",
+    }
+
+
+def _controller_hooks(installed: ControlPlane) -> dict[str, dict[str, Any]]:
+    """url path -> hook spec, over every Noctaya controller as the API server stored it."""
+    by_path: dict[str, dict[str, Any]] = {}
+    for kind in ("compositecontrollers", "decoratorcontrollers"):
+        for item in get_json(installed, kind)["items"]:
+            for hook_name, hook in item["spec"]["hooks"].items():
+                url = hook["webhook"]["url"]
+                assert url.startswith(HOOK_HOST + "/"), f"{item['metadata']['name']}.{hook_name}: {url}"
+                path = url[len(HOOK_HOST) :]
+                assert path not in by_path, f"{path} is used by two hooks"
+                by_path[path] = {"controller": item, "hook": hook_name, **hook}
+    return by_path
+
+
+def test_controller_hooks_match_the_hook_server_routes(installed: ControlPlane) -> None:
+    hooks = _controller_hooks(installed)
+    # Every route the hook server serves is called by exactly one controller hook, and no hook
+    # points at a path the server does not serve.
+    assert sorted(hooks) == sorted(route.path for route in HOOK_ROUTES)
+    for path, hook in hooks.items():
+        # v2 on every hook: v1 drops the cluster-scoped InferenceRuntime seen from a namespaced parent.
+        assert hook["version"] == "v2", path
+        auth = hook["webhook"]["authorization"]
+        assert auth["type"] == "Bearer"
+        assert auth["secretRef"] == {"name": "noctaya-hooks", "namespace": "noctaya-system", "key": "hook-token"}
+
+
+def test_llmservice_controller_children_and_update_strategies(installed: ControlPlane) -> None:
+    spec = get_json(installed, "compositecontroller", "noctaya-llmservice")["spec"]
+    assert spec["generateSelector"] is True
+    assert spec["parentResource"] == {"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "llmservices"}
+    strategies = {(c["apiVersion"], c["resource"]): c["updateStrategy"]["method"] for c in spec["childResources"]}
+    assert strategies == {
+        ("apps/v1", "deployments"): "InPlace",
+        ("v1", "services"): "InPlace",
+        ("v1", "secrets"): "InPlace",
+        ("policy/v1", "poddisruptionbudgets"): "InPlace",
+        ("v1", "persistentvolumeclaims"): "OnDelete",
+        ("batch/v1", "jobs"): "OnDelete",
+    }
+    # KEDA is optional at install time: a missing child CRD would stop this whole controller.
+    assert not any(c["apiVersion"].startswith("keda.sh/") for c in spec["childResources"])
+
+    decorator = get_json(installed, "decoratorcontroller", "noctaya-llmservice-autoscaling")["spec"]
+    assert decorator["resources"] == [{"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "llmservices"}]
+    assert decorator["attachments"] == [
+        {"apiVersion": "keda.sh/v1alpha1", "resource": "scaledobjects", "updateStrategy": {"method": "InPlace"}}
+    ]
+    runtime = get_json(installed, "compositecontroller", "noctaya-inferenceruntime")["spec"]
+    assert runtime["parentResource"]["resource"] == "inferenceruntimes"
+    assert not runtime.get("childResources"), "the InferenceRuntime controller is passive"
+
+
+def test_hook_server_deployment_is_hardened(installed: ControlPlane) -> None:
+    deploy = get_json(installed, "-n", "noctaya-system", "deployment", "noctaya-hooks")
+    assert deploy["spec"]["replicas"] == 2
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["python", "-m", "hooks", "serve"]
+    assert container["image"] == "ghcr.io/noctaya/noctaya:0.1.0"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
+    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert set(container["resources"]["requests"]) == {"cpu", "memory"}
+    assert "memory" in container["resources"]["limits"]
+
+    pdb = get_json(installed, "-n", "noctaya-system", "pdb", "noctaya-hooks")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"] == deploy["spec"]["selector"]
+    svc = get_json(installed, "-n", "noctaya-system", "service", "noctaya-hooks")
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP", "targetPort": "http"}]
+    assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+
+
+# What Metacontroller must be allowed to do for Noctaya (RBAC is evaluated by the real authorizer).
+METACONTROLLER_NEEDS = [
+    ("watch", "llmservices.serving.noctaya.io"),
+    ("update", "llmservices.serving.noctaya.io"),
+    ("update", "llmservices.serving.noctaya.io/status"),
+    ("update", "inferenceruntimes.serving.noctaya.io/status"),
+    ("list", "inferenceruntimes.serving.noctaya.io"),
+    *[
+        (verb, resource)
+        for resource in (
+            "deployments.apps",
+            "services",
+            "secrets",
+            "poddisruptionbudgets.policy",
+            "persistentvolumeclaims",
+            "jobs.batch",
+            "scaledobjects.keda.sh",
+        )
+        for verb in ("create", "update", "patch", "delete", "watch")
+    ],
+    ("watch", "pods"),
+    ("get", "triggerauthentications.keda.sh"),
+    ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("create", "events"),
+]
+
+
+@pytest.mark.parametrize("verb,resource", METACONTROLLER_NEEDS, ids=[f"{v}-{r}" for v, r in METACONTROLLER_NEEDS])
+def test_rbac_lets_metacontroller_manage_noctaya_types(installed: ControlPlane, verb: str, resource: str) -> None:
+    out = installed.kubectl("auth", "can-i", verb, resource, "-A", f"--as={METACONTROLLER_SA}", check=False)
+    assert out.stdout.strip() == "yes", f"{METACONTROLLER_SA} cannot {verb} {resource}: {out.stdout}{out.stderr}"
+
+
+@pytest.mark.parametrize("verb,resource", [("delete", "nodes"), ("create", "clusterroles.rbac.authorization.k8s.io"),
+                                           ("delete", "pods"), ("get", "configmaps")])
+def test_rbac_grants_nothing_beyond_noctaya_needs(installed: ControlPlane, verb: str, resource: str) -> None:
+    out = installed.kubectl("auth", "can-i", verb, resource, "-A", f"--as={METACONTROLLER_SA}", check=False)
+    assert out.stdout.strip() == "no"
+
+
+@pytest.fixture(scope="module")
+def examples_namespace(installed: ControlPlane) -> str:
+    installed.kubectl("create", "namespace", EXAMPLES_NAMESPACE)
+    return EXAMPLES_NAMESPACE
+
+
+@pytest.mark.parametrize("unit", example_units(), ids=lambda u: u.label)
+def test_example_applies_server_side(installed: ControlPlane, examples_namespace: str, unit: ApplyUnit) -> None:
+    ns_args = [] if has_explicit_namespace(unit) else ["-n", examples_namespace]
+    out = installed.kubectl("apply", "--server-side", *ns_args, *unit.kubectl_args())
+    applied = [line for line in out.stdout.splitlines() if "serverside-applied" in line]
+    assert applied, f"{unit.label} applied nothing: {out.stdout}"

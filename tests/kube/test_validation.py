@@ -1,0 +1,152 @@
+"""The CRDs' validation on the real API server: invalid objects are rejected with readable messages,
+and the pydantic models (what the hooks parse with) reject them with the same message."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+import pytest
+
+from hooks.api import InferenceRuntime, LLMService
+from tests.kube.apiserver import ControlPlane
+
+pytestmark = pytest.mark.timeout(180, func_only=True)
+
+NAMESPACE = "validation"
+DIGEST = "sha256:" + "ab" * 32
+
+VALID_LLMSERVICE: dict[str, Any] = {
+    "apiVersion": "serving.noctaya.io/v1alpha1",
+    "kind": "LLMService",
+    "metadata": {"name": "case", "namespace": NAMESPACE},
+    "spec": {"model": {"source": "hf://Qwen/Qwen2.5-0.5B-Instruct"}, "runtime": {"name": "vllm-nvidia"}},
+}
+VALID_RUNTIME: dict[str, Any] = {
+    "apiVersion": "serving.noctaya.io/v1alpha1",
+    "kind": "InferenceRuntime",
+    "metadata": {"name": "case"},
+    "spec": {"engine": "vllm", "image": "vllm/vllm-openai:v0.11.0"},
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    base: dict[str, Any]
+    mutate: Callable[[dict[str, Any]], None]
+    message: str  # what the user reads in kubectl's error
+    cel: bool = True  # a CEL rule (shared with pydantic) rather than an OpenAPI pattern/enum
+
+    def build(self) -> dict[str, Any]:
+        obj = copy.deepcopy(self.base)
+        obj["metadata"]["name"] = self.id
+        self.mutate(obj["spec"])
+        return obj
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(spec: dict[str, Any]) -> None:
+        *parents, leaf = path.split(".")
+        node = spec
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+
+    return mutate
+
+
+def _all(*mutations: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+    def mutate(spec: dict[str, Any]) -> None:
+        for m in mutations:
+            m(spec)
+
+    return mutate
+
+
+CASES = [
+    Case("min-above-max", VALID_LLMSERVICE, _set("scaling", {"min": 3, "max": 2}),
+         "scaling.min must not exceed scaling.max"),
+    Case("runtime-name-and-selector", VALID_LLMSERVICE,
+         _set("runtime", {"name": "vllm-nvidia", "selector": {"matchLabels": {"engine": "vllm"}}}),
+         "set exactly one of runtime.name or runtime.selector"),
+    Case("runtime-neither", VALID_LLMSERVICE, _set("runtime", {"args": ["--x"]}),
+         "set exactly one of runtime.name or runtime.selector"),
+    Case("empty-runtime-selector", VALID_LLMSERVICE, _set("runtime", {"selector": {}}),
+         "an empty selector would match every runtime"),
+    Case("hostpath-without-path", VALID_LLMSERVICE, _set("cache", {"strategy": "HostPath"}),
+         "cache.hostPath is required with strategy HostPath"),
+    Case("prewarm-without-persistent-cache", VALID_LLMSERVICE, _set("cache", {"strategy": "None", "prewarm": True}),
+         "cache.prewarm needs a persistent cache"),
+    Case("pvc-with-prewarm", VALID_LLMSERVICE,
+         _all(_set("model.source", "pvc://weights/llama"), _set("cache.prewarm", True)),
+         "a pvc:// source is pre-staged: cache.prewarm does not apply"),
+    Case("pvc-path-traversal", VALID_LLMSERVICE, _set("model.source", "pvc://weights/../../etc"),
+         "a pvc:// source must not contain '.' or '..' path segments"),
+    Case("oci-without-cache", VALID_LLMSERVICE,
+         _all(_set("model.source", f"oci://registry.example.com/models/m@{DIGEST}"), _set("cache.strategy", "None")),
+         "an oci:// source is staged by a Job into the cache"),
+    Case("revision-on-oci", VALID_LLMSERVICE,
+         _all(_set("model.source", f"oci://registry.example.com/models/m@{DIGEST}"), _set("model.revision", "v1")),
+         "revision applies only to hf:// and modelscope:// sources"),
+    Case("activation-timeout-too-long", VALID_LLMSERVICE, _set("scaling.activationTimeout", "2h"),
+         "scaling.activationTimeout must be between 1s and 1h"),
+    Case("inflight-ratio-without-max-seqs", VALID_LLMSERVICE,
+         _set("scaling.triggers", [{"signal": "InFlightRatio", "threshold": "0.8",
+                                    "serverAddress": "http://prometheus.monitoring.svc:9090"}]),
+         "InFlightRatio needs maxConcurrentSequences"),
+    Case("env-value-and-value-from", VALID_LLMSERVICE,
+         _set("runtime.env", [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
+         "set either value or valueFrom, not both"),
+    Case("in-operator-without-values", VALID_LLMSERVICE,
+         _set("runtime", {"selector": {"matchExpressions": [{"key": "engine", "operator": "In"}]}}),
+         "In and NotIn need values"),
+    Case("oci-without-digest", VALID_LLMSERVICE, _set("model.source", "oci://registry.example.com/models/m:latest"),
+         "spec.model.source", cel=False),
+    Case("custom-engine-without-command", VALID_RUNTIME, _set("engine", "custom"),
+         "a custom engine needs a command or args"),
+    Case("grace-shorter-than-drain", VALID_RUNTIME,
+         _set("lifecycle", {"drainTimeout": "2m", "terminationGracePeriodSeconds": 60}),
+         "terminationGracePeriodSeconds must be at least drainTimeout + 10 seconds"),
+    Case("unknown-engine", VALID_RUNTIME, _set("engine", "triton"), 'Unsupported value: "triton"', cel=False),
+    Case("unknown-vendor", VALID_RUNTIME, _set("accelerator", {"vendor": "tpu"}), 'Unsupported value: "tpu"', cel=False),
+]
+
+
+@pytest.fixture(scope="module")
+def validating(kube: ControlPlane, noctaya_crds: list[str]) -> ControlPlane:
+    kube.kubectl("create", "namespace", NAMESPACE)
+    return kube
+
+
+def server_create(kube: ControlPlane, obj: dict[str, Any]) -> tuple[bool, str]:
+    out = kube.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(obj), check=False)
+    return out.returncode == 0, out.stderr + out.stdout
+
+
+def model_for(obj: dict[str, Any]) -> type[pydantic.BaseModel]:
+    return LLMService if obj["kind"] == "LLMService" else InferenceRuntime
+
+
+@pytest.mark.parametrize("base", [VALID_LLMSERVICE, VALID_RUNTIME], ids=["llmservice", "inferenceruntime"])
+def test_minimal_objects_are_accepted(validating: ControlPlane, base: dict[str, Any]) -> None:
+    ok, output = server_create(validating, base)
+    assert ok, output
+    model_for(base).model_validate(base)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_invalid_object_is_rejected_with_a_readable_message(validating: ControlPlane, case: Case) -> None:
+    obj = case.build()
+    ok, output = server_create(validating, obj)
+    assert not ok, f"the API server accepted invalid {case.id}: {output}"
+    assert case.message in output, f"expected {case.message!r} in the API server's error:\n{output}"
+    if case.cel:
+        # The hooks parse with the same rule and must say the same thing.
+        with pytest.raises(pydantic.ValidationError, match=re.escape(case.message)):
+            model_for(obj).model_validate(obj)
