@@ -302,10 +302,11 @@ def main() -> int:
         if not standin.scaled_to_zero.wait(60 + args.cooldown):
             say("demo", "backend did not scale to zero in time")
             return 1
-        time.sleep(1.5)
         queue = requests.get(f"http://127.0.0.1:{gw_port}/noctaya/queue", timeout=2).json()
-        say("gateway", f"/noctaya/queue → {json.dumps(queue)}")
-        say("demo", "scaled back to zero: the accelerator is free, the gateway still answers")
+        say("gateway", f"/noctaya/queue → lease {queue['lease']['state']}, demand {json.dumps(queue['demand'])}")
+        models = [m.id for m in client.models.list().data]
+        say("client", f"GET /v1/models at zero → {models} (the gateway still answers; nothing woke)")
+        say("demo", "scaled back to zero: the accelerator is free")
         return 0
     finally:
         if standin is not None:

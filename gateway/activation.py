@@ -51,6 +51,7 @@ class Activation:
         )
         self.withdrawn = False
         self.last_demand = Demand()
+        self._publish_failures = 0
 
     # -- questions -------------------------------------------------------------------------
     @property
@@ -89,7 +90,6 @@ class Activation:
                     log.info("backend ready")
                 self.ready_event.set()
             else:
-                self.lease.backend_lost(now)
                 self.ready_event.clear()
                 log.info("backend not ready", extra={"observation": result.value})
             self.metrics.backend_ready.set(1 if self.readiness.ready else 0)
@@ -116,7 +116,14 @@ class Activation:
         self.metrics.queue_depth.set(self.slots.queued)
         self.metrics.in_flight.set(self.slots.in_flight)
         self.metrics.lease_active.set(1 if self.lease.active else 0)
-        self.broadcaster.publish(demand)
+        try:
+            self.broadcaster.publish(demand)
+        except Exception:
+            # The demand sink must never fail a client request; the stored value is what the
+            # scaler reads next, and its waiters wake at their next bounded wait slice anyway.
+            self._publish_failures += 1
+            if self._publish_failures in (1, 10, 100) or self._publish_failures % 1000 == 0:
+                log.exception("demand publish failed", extra={"failures": self._publish_failures})
 
     def withdraw(self) -> None:
         self.withdrawn = True

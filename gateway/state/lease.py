@@ -70,9 +70,11 @@ class ActivationLease:
             assert self.deadline is not None
             self.deadline = max(self.deadline, deadline)
         else:
-            # READY_GRACE yet the request saw a cold backend: readiness was lost; wait again.
+            # READY_GRACE yet the request saw a cold backend: readiness was lost; activate again.
+            # (Losing readiness alone does not extend the lease: only a waiting request does.)
             self.state = LeaseState.ACTIVATING
-            self.deadline = deadline if self.deadline is None else max(self.deadline, deadline)
+            self.started_at = now
+            self.deadline = deadline
             self.ends_at = None
         return deadline
 
@@ -84,15 +86,6 @@ class ActivationLease:
             assert self.started_at is not None
             return now - self.started_at
         return None
-
-    def backend_lost(self, now: float) -> None:
-        """Readiness lost during the grace: keep wanting the backend until the old deadline."""
-        if self.state is LeaseState.READY_GRACE:
-            self.state = LeaseState.ACTIVATING
-            self.ends_at = None
-            if self.deadline is None or self.deadline < now:
-                self.deadline = now
-            self.started_at = now
 
     def tick(self, now: float) -> LeaseEnd | None:
         """End the lease when its time is up; returns how it ended (None if still running)."""

@@ -76,13 +76,14 @@ def test_lease_times_out_then_a_later_request_starts_a_new_one() -> None:
     assert lease.active and lease.generation == 2 and lease.deadline == 30.0
 
 
-def test_lease_readiness_lost_during_grace_goes_back_to_activating() -> None:
+def test_lease_cold_admission_during_ready_grace_activates_again() -> None:
     lease = ActivationLease(activation_timeout=10, ready_grace=5)
     lease.cold_admission(0.0)
     lease.backend_ready(2.0)
-    lease.backend_lost(3.0)
-    assert lease.state is LeaseState.ACTIVATING
-    assert lease.cold_admission(4.0) == 14.0 and lease.deadline == 14.0
+    assert lease.next_timer() == 7.0  # readiness lost alone does not extend the lease
+    assert lease.cold_admission(4.0) == 14.0
+    assert lease.state is LeaseState.ACTIVATING and lease.deadline == 14.0 and lease.generation == 1
+    assert lease.backend_ready(5.0) == pytest.approx(1.0)  # measured from the re-activation
     with pytest.raises(ValueError):
         ActivationLease(0, 1)
 

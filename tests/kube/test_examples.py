@@ -109,7 +109,9 @@ def test_alerts_and_dashboard_query_exported_metrics() -> None:
 def test_alerts_cover_the_operational_failures() -> None:
     (rule_doc,) = load_documents(OBSERVABILITY_DIR / "prometheusrule.yaml")
     alerts = {r["alert"]: r for g in rule_doc["spec"]["groups"] for r in g["rules"]}
-    assert {"NoctayaActivationTimeouts", "NoctayaHigh429Rate", "NoctayaPrewarmFailed", "NoctayaStuckActivating"} <= set(alerts)
+    assert {"NoctayaActivationTimeouts", "NoctayaHigh429Rate", "NoctayaPrewarmFailed", "NoctayaStuckActivating"} <= set(
+        alerts
+    )
     assert 'reason="activation_timeout"' in alerts["NoctayaActivationTimeouts"]["expr"]
     assert "activation_timeout" in REJECTION_REASONS
     assert 'code="429"' in alerts["NoctayaHigh429Rate"]["expr"]

@@ -67,8 +67,9 @@ def python_m_command(container: dict[str, Any]) -> tuple[str, ...] | None:
 
 def manifest_objects() -> list[tuple[str, dict[str, Any]]]:
     """Install manifests and rendered children (golden fixtures), with where each came from."""
-    found = [(str(p.relative_to(REPO_ROOT)), d) for p in sorted(METACONTROLLER_DIR.glob("*.yaml"))
-             for d in load_documents(p)]
+    found = [
+        (str(p.relative_to(REPO_ROOT)), d) for p in sorted(METACONTROLLER_DIR.glob("*.yaml")) for d in load_documents(p)
+    ]
     for path in sorted(FIXTURES_DIR.glob("*/expected.json")):
         response = json.loads(path.read_text())
         for obj in [*(response.get("children") or []), *(response.get("attachments") or [])]:
@@ -153,7 +154,9 @@ def test_final_stage_is_non_root_and_has_no_build_tools() -> None:
     uid = user.split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "numeric non-root USER (runAsNonRoot can only verify a numeric uid)"
     assert not instruction(final, "RUN"), "the final stage installs nothing: no compilers, no package manager runs"
-    assert all(line.startswith("--from=") for line in instruction(final, "COPY")), "final stage copies only built artefacts"
+    assert all(line.startswith("--from=") for line in instruction(final, "COPY")), (
+        "final stage copies only built artefacts"
+    )
     assert re.search(r"python:3\.11-slim", DOCKERFILE.read_text()), "python:3.11-slim base expected"
 
 
@@ -173,6 +176,11 @@ def test_image_builds() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     if builder != "buildah":
         for command in named_commands():
-            run = subprocess.run([builder, "run", "--rm", "noctaya:test", *command, "--help"],
-                                 capture_output=True, text=True, timeout=120, check=False)
+            run = subprocess.run(
+                [builder, "run", "--rm", "noctaya:test", *command, "--help"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             assert run.returncode == 0, f"{' '.join(command)} --help in the image: {run.stderr}"

@@ -174,8 +174,15 @@ def test_rbac_lets_metacontroller_manage_noctaya_types(installed: ControlPlane, 
     assert out.stdout.strip() == "yes", f"{METACONTROLLER_SA} cannot {verb} {resource}: {out.stdout}{out.stderr}"
 
 
-@pytest.mark.parametrize("verb,resource", [("delete", "nodes"), ("create", "clusterroles.rbac.authorization.k8s.io"),
-                                           ("delete", "pods"), ("get", "configmaps")])
+@pytest.mark.parametrize(
+    "verb,resource",
+    [
+        ("delete", "nodes"),
+        ("create", "clusterroles.rbac.authorization.k8s.io"),
+        ("delete", "pods"),
+        ("get", "configmaps"),
+    ],
+)
 def test_rbac_grants_nothing_beyond_noctaya_needs(installed: ControlPlane, verb: str, resource: str) -> None:
     out = installed.kubectl("auth", "can-i", verb, resource, "-A", f"--as={METACONTROLLER_SA}", check=False)
     assert out.stdout.strip() == "no"
@@ -193,3 +200,30 @@ def test_example_applies_server_side(installed: ControlPlane, examples_namespace
     out = installed.kubectl("apply", "--server-side", *ns_args, *unit.kubectl_args())
     applied = [line for line in out.stdout.splitlines() if "serverside-applied" in line]
     assert applied, f"{unit.label} applied nothing: {out.stdout}"
+
+
+def pod_from_template(workload: dict[str, Any], namespace: str) -> dict[str, Any]:
+    """The Pod a Deployment's template produces, for admission checks without a controller."""
+    template = workload["spec"]["template"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": workload["metadata"]["name"],
+            "namespace": namespace,
+            "labels": template["metadata"].get("labels", {}),
+        },
+        "spec": template["spec"],
+    }
+
+
+def test_hook_server_pod_passes_restricted_pod_security(installed: ControlPlane) -> None:
+    """noctaya-system enforces Pod Security `restricted`; the API server's PodSecurity admission
+    (and ServiceAccount admission) judge the hook server's Pod on a server-side dry-run."""
+    ns = get_json(installed, "namespace", "noctaya-system")
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    deploy = get_json(installed, "-n", "noctaya-system", "deployment", "noctaya-hooks")
+    pod = pod_from_template(deploy, "noctaya-system")
+    out = installed.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(pod), check=False)
+    assert out.returncode == 0, out.stderr
+    assert "violate" not in out.stderr, out.stderr

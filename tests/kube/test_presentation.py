@@ -100,18 +100,30 @@ def test_get_llmservice_shows_printer_columns(kube: ControlPlane, noctaya_crds: 
             "replicas": 0,
             "readyReplicas": 0,
             "conditions": [
-                {"type": "Ready", "status": "False", "reason": "ScaledToZero", "message": "idle",
-                 "lastTransitionTime": "2026-01-01T00:00:00Z"}
+                {
+                    "type": "Ready",
+                    "status": "False",
+                    "reason": "ScaledToZero",
+                    "message": "idle",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                }
             ],
         }
     }
-    kube.kubectl("patch", "-n", NAMESPACE, "llmservice", "qwen", "--subresource=status", "--type=merge",
-                 "-p", json.dumps(status))
+    kube.kubectl(
+        "patch", "-n", NAMESPACE, "llmservice", "qwen", "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
     header, row = kube.kubectl("get", "-n", NAMESPACE, "llmservice", "qwen").stdout.splitlines()
     assert header.split() == ["NAME", "RUNTIME", "REPLICAS", "READY", "ENDPOINT", "AGE"]
     cells = columns(header, row)
-    assert cells == {"NAME": "qwen", "RUNTIME": "vllm-nvidia", "REPLICAS": "0", "READY": "False",
-                     "ENDPOINT": f"http://qwen-gateway.{NAMESPACE}.svc.cluster.local/v1", "AGE": cells["AGE"]}
+    assert cells == {
+        "NAME": "qwen",
+        "RUNTIME": "vllm-nvidia",
+        "REPLICAS": "0",
+        "READY": "False",
+        "ENDPOINT": f"http://qwen-gateway.{NAMESPACE}.svc.cluster.local/v1",
+        "AGE": cells["AGE"],
+    }
     assert cells["AGE"]
     # The short name works too.
     assert kube.kubectl("get", "-n", NAMESPACE, "llm", "-o", "name").stdout.strip() == (
@@ -131,6 +143,12 @@ def test_get_inferenceruntime_shows_printer_columns(kube: ControlPlane, noctaya_
     assert header.split() == ["NAME", "ENGINE", "VENDOR", "PRIORITY", "ACCEPTED", "AGE"]
     cells = columns(header, row)
     # vendor defaults to nvidia on the server (a structural-schema default); nothing accepted it yet.
-    assert cells == {"NAME": "presentation-vllm", "ENGINE": "vllm", "VENDOR": "nvidia", "PRIORITY": "7",
-                     "ACCEPTED": "", "AGE": cells["AGE"]}
+    assert cells == {
+        "NAME": "presentation-vllm",
+        "ENGINE": "vllm",
+        "VENDOR": "nvidia",
+        "PRIORITY": "7",
+        "ACCEPTED": "",
+        "AGE": cells["AGE"],
+    }
     assert cells["AGE"]

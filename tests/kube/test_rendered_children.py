@@ -106,8 +106,67 @@ def test_rendered_examples_pass_server_side_dry_run(cluster: ControlPlane) -> No
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "Service", "ScaledObject"} <= kinds, kinds
     # Every LLMService example renders something.
-    models = [d for p in RENDERED_EXAMPLES for f in ([p] if p.is_file() else sorted(p.glob("*.yaml")))
-              for d in load_documents(f) if d.get("kind") == "LLMService"]
+    models = [
+        d
+        for p in RENDERED_EXAMPLES
+        for f in ([p] if p.is_file() else sorted(p.glob("*.yaml")))
+        for d in load_documents(f)
+        if d.get("kind") == "LLMService"
+    ]
     rendered_for = {o["metadata"].get("labels", {}).get("serving.noctaya.io/llmservice") for o in objects}
     assert {m["metadata"]["name"] for m in models} <= rendered_for
     dry_run_create(cluster, objects, "python -m hooks render examples/...")
+
+
+RESTRICTED_NAMESPACE = "restricted-pods"
+# Components that run Noctaya's own image: their Pods must meet Pod Security `restricted`.
+NOCTAYA_COMPONENTS = ("gateway", "aggregator")
+
+
+def noctaya_deployments() -> list[tuple[str, dict[str, Any]]]:
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for case in golden_cases():
+        for obj in rendered_objects(json.loads((case / "expected.json").read_text())):
+            component = obj["metadata"].get("labels", {}).get("serving.noctaya.io/component")
+            if obj["kind"] == "Deployment" and component in NOCTAYA_COMPONENTS:
+                # One per distinct pod spec is enough; the fixtures repeat the same shapes.
+                found.setdefault(json.dumps(obj["spec"]["template"], sort_keys=True), (case.name, obj))
+    return sorted(found.values(), key=lambda item: (item[0], item[1]["metadata"]["name"]))
+
+
+@pytest.fixture(scope="module")
+def restricted_namespace(cluster: ControlPlane) -> str:
+    ns = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": RESTRICTED_NAMESPACE, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}},
+    }
+    cluster.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps(ns))
+    # No controller-manager here: create the `default` ServiceAccount ServiceAccount admission wants.
+    cluster.kubectl("create", "-n", RESTRICTED_NAMESPACE, "serviceaccount", "default")
+    return RESTRICTED_NAMESPACE
+
+
+def test_noctaya_pods_are_found_in_the_fixtures() -> None:
+    components = {obj["metadata"]["labels"]["serving.noctaya.io/component"] for _, obj in noctaya_deployments()}
+    assert components == set(NOCTAYA_COMPONENTS)
+
+
+@pytest.mark.parametrize("item", noctaya_deployments(), ids=lambda i: f"{i[0]}-{i[1]['metadata']['name']}")
+def test_gateway_and_aggregator_pods_pass_restricted_pod_security(
+    cluster: ControlPlane, restricted_namespace: str, item: tuple[str, dict[str, Any]]
+) -> None:
+    _case, deployment = item
+    template = deployment["spec"]["template"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": deployment["metadata"]["name"],
+            "namespace": restricted_namespace,
+            "labels": template["metadata"].get("labels", {}),
+        },
+        "spec": template["spec"],
+    }
+    out = cluster.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(pod), check=False)
+    assert out.returncode == 0, out.stderr
