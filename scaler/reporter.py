@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
@@ -24,6 +25,18 @@ from scaler.demand import Demand, DemandBroadcaster
 __all__ = ["DemandReporter"]
 
 log = logging.getLogger("noctaya.scaler.reporter")
+
+
+def _without_userinfo(url: str) -> str:
+    """The URL for logs: credentials in a user:password@ part must not reach them."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
 class DemandReporter:
@@ -42,6 +55,7 @@ class DemandReporter:
         if interval <= 0 or timeout <= 0 or min_gap < 0 or retry_delay <= 0:
             raise ValueError("interval, timeout and retry_delay must be > 0, min_gap >= 0")
         self.url = url
+        self._log_url = _without_userinfo(url)
         self.token_file = token_file
         self.broadcaster = broadcaster
         self.member_id = member_id or uuid.uuid4().hex
@@ -95,7 +109,7 @@ class DemandReporter:
         now = time.monotonic()
         if now - self._last_error_log >= 10.0:  # one line per 10 s, a dead aggregator is one fact
             self._last_error_log = now
-            log.warning("%s (url=%s, failures so far=%d)", message, self.url, self.failures)
+            log.warning("%s (url=%s, failures so far=%d)", message, self._log_url, self.failures)
 
     # -- loop -----------------------------------------------------------------------------------
 
@@ -111,6 +125,7 @@ class DemandReporter:
         next_heartbeat = 0.0  # send at once on start
         not_before = 0.0
         pending = True
+        failures_in_a_row = 0
         while not self._stopping:
             now = time.monotonic()
             due = next_heartbeat if not pending else max(not_before, now)
@@ -134,9 +149,13 @@ class DemandReporter:
                     self.last_sent, pending = demand, False
                     next_heartbeat = now + self.interval
                     not_before = now + self.min_gap
+                    failures_in_a_row = 0
                 else:
+                    # Retry soon (an activation edge matters), backing off to the heartbeat interval
+                    # so a refusing or dead aggregator isn't hammered by every gateway.
+                    failures_in_a_row += 1
                     pending = True
-                    not_before = now + self.retry_delay
+                    not_before = now + min(self.interval, self.retry_delay * 2 ** min(failures_in_a_row - 1, 16))
                     next_heartbeat = now + self.interval
 
     def _sleep(self, seconds: float) -> None:

@@ -59,31 +59,44 @@ def test_metacontroller_kustomization_installs_everything(installed: ControlPlan
     }
 
 
-def _controller_hooks(installed: ControlPlane) -> dict[str, dict[str, Any]]:
-    """url path -> hook spec, over every Noctaya controller as the API server stored it."""
-    by_path: dict[str, dict[str, Any]] = {}
+def _controller_hooks(installed: ControlPlane) -> list[dict[str, Any]]:
+    """Every hook of every Noctaya controller as the API server stored it, with its URL path."""
+    hooks: list[dict[str, Any]] = []
     for kind in ("compositecontrollers", "decoratorcontrollers"):
         for item in get_json(installed, kind)["items"]:
             for hook_name, hook in item["spec"]["hooks"].items():
                 url = hook["webhook"]["url"]
                 assert url.startswith(HOOK_HOST + "/"), f"{item['metadata']['name']}.{hook_name}: {url}"
-                path = url[len(HOOK_HOST) :]
-                assert path not in by_path, f"{path} is used by two hooks"
-                by_path[path] = {"controller": item, "hook": hook_name, **hook}
-    return by_path
+                hooks.append(
+                    {"controller": item["metadata"]["name"], "hook": hook_name, "path": url[len(HOOK_HOST) :], **hook}
+                )
+    return hooks
 
 
 def test_controller_hooks_match_the_hook_server_routes(installed: ControlPlane) -> None:
     hooks = _controller_hooks(installed)
-    # Every route the hook server serves is called by exactly one controller hook, and no hook
-    # points at a path the server does not serve.
-    assert sorted(hooks) == sorted(route.path for route in HOOK_ROUTES)
-    for path, hook in hooks.items():
+    by_path: dict[str, list[str]] = {}
+    for hook in hooks:
+        by_path.setdefault(hook["path"], []).append(f"{hook['controller']}.{hook['hook']}")
+    # Every route the hook server serves is called by a controller hook, and no hook points at a
+    # path the server does not serve.
+    assert sorted(by_path) == sorted(route.path for route in HOOK_ROUTES)
+    # Only the decorator's finalize shares a route: its sync function answers `finalizing: true`.
+    shared = {path: sorted(users) for path, users in by_path.items() if len(users) > 1}
+    assert shared == {
+        "/v1/llmservice/autoscaling/sync": [
+            "noctaya-llmservice-autoscaling.finalize",
+            "noctaya-llmservice-autoscaling.sync",
+        ]
+    }
+    for hook in hooks:
         # v2 on every hook: v1 drops the cluster-scoped InferenceRuntime seen from a namespaced parent.
-        assert hook["version"] == "v2", path
+        assert hook["version"] == "v2", hook
         auth = hook["webhook"]["authorization"]
         assert auth["type"] == "Bearer"
         assert auth["secretRef"] == {"name": "noctaya-hooks", "namespace": "noctaya-system", "key": "hook-token"}
+    composite = {h["hook"] for h in hooks if h["controller"] == "noctaya-llmservice"}
+    assert composite == {"customize", "sync", "finalize"}
 
 
 def test_llmservice_controller_children_and_update_strategies(installed: ControlPlane) -> None:

@@ -172,3 +172,28 @@ def test_reporter_inside_a_gevent_patched_process(aggregator, token_file) -> Non
             proc.kill()
     assert facts["failures"] == 0 and facts["sent"] >= 3 and facts["ticks"] >= 20
     assert aggregator.member_count == 0  # withdrawn
+
+
+def test_failures_back_off_to_the_interval(tmp_path) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens: every report is refused at connect
+    token = tmp_path / "t"
+    token.write_text("x")
+    reporter = DemandReporter(f"http://127.0.0.1:{port}/v1/report", str(token), DemandBroadcaster(Demand(queued=1)),
+                              interval=0.4, retry_delay=0.05).start()
+    try:
+        time.sleep(2.0)
+    finally:
+        reporter.stop(withdraw=False)
+    # 0.05, 0.1, 0.2, then 0.4 s apart: about 7 attempts in 2 s, never the 40 of a fixed 0.05 s retry
+    assert 3 <= reporter.failures <= 12
+
+
+def test_logged_url_has_no_credentials() -> None:
+    from scaler.reporter import _without_userinfo
+
+    assert _without_userinfo("http://u:pw@agg.models:9091/v1/report") == "http://agg.models:9091/v1/report"
+    assert _without_userinfo("http://agg:9091/v1/report") == "http://agg:9091/v1/report"

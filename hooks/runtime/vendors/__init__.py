@@ -31,7 +31,10 @@ def placement(accelerator: Accelerator, count: int) -> Placement:
     uses_device = count > 0 and resource is not None
     limits = {resource: str(count)} if uses_device else {}
     tolerations = adapter.tolerations() if uses_device and not accelerator.resource_name else []
-    tolerations += [t.wire() for t in accelerator.tolerations]
+    # A runtime often repeats the vendor's own toleration; keep one copy, first one wins.
+    for extra in (t.wire() for t in accelerator.tolerations):
+        if extra not in tolerations:
+            tolerations.append(extra)
     return Placement(
         limits=limits,
         node_selector={**adapter.node_selector, **accelerator.node_selector},
