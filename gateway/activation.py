@@ -28,6 +28,7 @@ class Activation:
         self,
         *,
         max_queue: int,
+        max_held_bytes: int | None = None,
         activation_timeout: float,
         ready_grace: float,
         broadcaster: DemandBroadcaster,
@@ -40,7 +41,7 @@ class Activation:
         self.clock = clock
         self.broadcaster = broadcaster
         self.metrics = metrics
-        self.slots = AdmissionSlots(max_queue, on_change=self.publish)
+        self.slots = AdmissionSlots(max_queue, on_change=self.publish, max_held_bytes=max_held_bytes)
         self.lease = ActivationLease(activation_timeout, ready_grace)
         self.readiness = BackendReadiness()
         # Set while the backend is believed ready: waiters block on it (with their own deadline).

@@ -25,7 +25,7 @@ from gateway.activation import Activation
 from gateway.auth import KeyFileAuthenticator
 from gateway.config import GatewayConfig
 from gateway.errors import ERRORS, REASONS, GatewayError, error_body, sse_error_frame
-from gateway.metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from gateway.metrics import CONTENT_TYPE_LATEST, REJECTION_REASONS, GatewayMetrics
 from gateway.proxy import (
     ClientBodyError,
     ConnectFailed,
@@ -146,6 +146,7 @@ class GatewayApp:
         )
         self.activation = Activation(
             max_queue=config.max_queue,
+            max_held_bytes=config.max_held_body_bytes,
             activation_timeout=config.activation_timeout_seconds,
             ready_grace=config.ready_grace_seconds,
             broadcaster=broadcaster,
@@ -183,8 +184,7 @@ class GatewayApp:
         self, start_response: StartResponse, name: str, extra: Iterable[tuple[str, str]] = (),
     ) -> list[bytes]:
         error: GatewayError = ERRORS[name]
-        if name in ("unauthorized", "queue_full", "cold_reject", "draining", "too_large",
-                    "activation_timeout"):
+        if name in REJECTION_REASONS:
             self.metrics.reject(name)
         return self._respond(start_response, error.status, error_body(error), extra=extra)
 
@@ -402,6 +402,18 @@ class GatewayApp:
             if ticket is None:
                 _abandon_input(environ)
                 return self._error(start_response, "queue_full", self._retry_after_429())
+        # Reserve the held body before reading it (its size is known, or bounded by the limit).
+        chunked = environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked"
+        if body is not None:
+            reserve = len(body)
+        elif length is not None:
+            reserve = length
+        else:
+            reserve = self.config.max_body_bytes if chunked else 0
+        if not ticket.reserve_bytes(reserve):
+            ticket.release()
+            _abandon_input(environ)
+            return self._error(start_response, "queue_bytes_full", self._retry_after_429())
         try:
             if body is None:
                 body = self._read_body(environ, length)
@@ -413,6 +425,7 @@ class GatewayApp:
             ticket.release()
             _abandon_input(environ)
             return self._error(start_response, "bad_request", [("Connection", "close")])
+        ticket.trim_bytes(len(body))  # a chunked upload reserved the limit; keep what it used
         deadline = activation.cold_admission()
         client_gone = self._client_gone(environ)
         if is_stream_request(body):

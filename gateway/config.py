@@ -54,6 +54,7 @@ class GatewayConfig:
     upstream_idle_timeout_seconds: float = 600.0
     client_idle_timeout_seconds: float = 120.0
     max_connections: int = 4096
+    max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
 
     @property
@@ -185,6 +186,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upstream_idle_timeout_seconds": _pos_float,
     "client_idle_timeout_seconds": _pos_float,
     "max_connections": _pos_int,
+    "max_held_body_bytes": _pos_int,
     "log_level": _choice("debug", "info", "warning", "error"),
 }
 
@@ -249,6 +251,8 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         raise ConfigError(
             "NOCTAYA_SCALER_MODE=report needs NOCTAYA_AGGREGATOR_URL and NOCTAYA_AGGREGATOR_TOKEN_FILE"
         )
+    if config.max_held_body_bytes < config.max_body_bytes:
+        raise ConfigError("NOCTAYA_MAX_HELD_BODY_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
     tls = (config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
     if any(tls) and not all(tls):
         raise ConfigError(

@@ -13,9 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import gevent
 import gevent.event
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayServer
 
 __all__ = ["Drainer"]
 
@@ -25,16 +29,13 @@ log = logging.getLogger("noctaya.gateway.drain")
 class Drainer:
     def __init__(
         self,
-        server: object,
+        server: GatewayServer,
         grace: float,
         *,
         after_withdraw: list[Callable[[], None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll: float = 0.05,
     ) -> None:
-        from gateway.app import GatewayServer
-
-        assert isinstance(server, GatewayServer)
         self.server = server
         self.grace = grace
         self.after_withdraw = after_withdraw or []

@@ -52,6 +52,10 @@ ERRORS: dict[str, GatewayError] = {
     "queue_full": GatewayError(
         429, "rate_limit_error", "queue_full", "The gateway's admission queue is full; retry later."
     ),
+    "queue_bytes_full": GatewayError(
+        429, "rate_limit_error", "queue_full",
+        "The gateway's admission queue is full (request bytes held while cold); retry later.",
+    ),
     "cold_reject": GatewayError(
         503, "service_unavailable", "backend_activating",
         "The model backend is starting; retry after the indicated delay.",

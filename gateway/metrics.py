@@ -10,7 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["GatewayMetrics", "REJECTION_REASONS", "CONTENT_TYPE_LATEST"]
 
 REJECTION_REASONS = (
-    "unauthorized", "queue_full", "cold_reject", "draining", "too_large", "activation_timeout",
+    "unauthorized", "queue_full", "queue_bytes_full", "cold_reject", "draining", "too_large", "activation_timeout",
 )
 
 

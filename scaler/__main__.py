@@ -88,9 +88,19 @@ def _aggregate(args: argparse.Namespace) -> int:
 
     broadcaster = DemandBroadcaster()
     aggregator = Aggregator(settings, broadcaster)
-    scaler = start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=scaler_settings)
+    try:
+        scaler = start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls,
+                                     settings=scaler_settings)
+    except (OSError, ValueError) as exc:  # port in use, unreadable TLS material
+        print(f"scaler: cannot start the gRPC scaler: {exc}", file=sys.stderr)
+        return 1
     aggregator.registry.register(scaler.collector())
-    aggregator.start(args.host, args.report_port)
+    try:
+        aggregator.start(args.host, args.report_port)
+    except OSError as exc:
+        print(f"scaler: cannot listen for reports on {args.host}:{args.report_port}: {exc.strerror}", file=sys.stderr)
+        scaler.stop(0)
+        return 1
     print(f"aggregate scaler: reports on {args.host}:{aggregator.port}, gRPC on {args.host}:{scaler.port}",
           file=sys.stderr, flush=True)
 

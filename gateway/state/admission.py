@@ -1,4 +1,6 @@
-"""Bounded admission: queued (waiting for the backend) + in-flight requests <= max_queue.
+"""Bounded admission: queued (waiting for the backend) + in-flight requests <= max_queue, and the
+request bodies held by waiting requests <= max_held_bytes (maxQueue x 8 MiB bodies would otherwise
+be a lot of memory for a small gateway Pod).
 
 A request holds a :class:`Ticket` from admission to its end. The ticket moves
 QUEUED -> IN_FLIGHT (and back to QUEUED if a connect attempt found the backend gone before any
@@ -25,11 +27,22 @@ class TicketState(enum.Enum):
 class Ticket:
     """One admitted request's slot."""
 
-    __slots__ = ("_slots", "state")
+    __slots__ = ("_slots", "state", "held_bytes")
 
     def __init__(self, slots: AdmissionSlots, state: TicketState) -> None:
         self._slots = slots
         self.state = state
+        self.held_bytes = 0
+
+    def reserve_bytes(self, n: int) -> bool:
+        """Reserve room for a request body this request will hold while waiting; False (and
+        nothing reserved) when the slots' byte budget cannot take it."""
+        if self.state is TicketState.RELEASED:
+            raise RuntimeError("ticket already released")
+        if not self._slots._take_bytes(n):
+            return False
+        self.held_bytes += n
+        return True
 
     def start(self) -> None:
         """QUEUED -> IN_FLIGHT (forwarding begins). No-op when already in flight."""
@@ -47,8 +60,17 @@ class Ticket:
         elif self.state is TicketState.RELEASED:
             raise RuntimeError("ticket already released")
 
+    def trim_bytes(self, n: int) -> None:
+        """Shrink the reservation to ``n`` bytes (never grows it)."""
+        if 0 <= n < self.held_bytes:
+            self._slots._give_bytes(self.held_bytes - n)
+            self.held_bytes = n
+
     def release(self) -> None:
-        """Give the slot back. Idempotent."""
+        """Give the slot (and any reserved bytes) back. Idempotent."""
+        if self.held_bytes:
+            self._slots._give_bytes(self.held_bytes)
+            self.held_bytes = 0
         if self.state is TicketState.QUEUED:
             self._slots._move(queued=-1, in_flight=0)
         elif self.state is TicketState.IN_FLIGHT:
@@ -62,10 +84,16 @@ class AdmissionSlots:
     ``on_change`` runs after every count change (the gateway publishes demand from it).
     """
 
-    def __init__(self, max_queue: int, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, max_queue: int, on_change: Callable[[], None] | None = None, *, max_held_bytes: int | None = None,
+    ) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if max_held_bytes is not None and max_held_bytes < 1:
+            raise ValueError("max_held_bytes must be >= 1")
         self.max_queue = max_queue
+        self.max_held_bytes = max_held_bytes
+        self.held_bytes = 0
         self._queued = 0
         self._in_flight = InFlightCounter()
         self._on_change = on_change
@@ -99,6 +127,19 @@ class AdmissionSlots:
             return Ticket(self, TicketState.IN_FLIGHT)
         self._move(queued=+1, in_flight=0)
         return Ticket(self, TicketState.QUEUED)
+
+    def _take_bytes(self, n: int) -> bool:
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if self.max_held_bytes is not None and self.held_bytes + n > self.max_held_bytes:
+            return False
+        self.held_bytes += n
+        return True
+
+    def _give_bytes(self, n: int) -> None:
+        self.held_bytes -= n
+        if self.held_bytes < 0:
+            raise RuntimeError("held bytes would go negative")
 
     def _move(self, *, queued: int, in_flight: int) -> None:
         self._queued += queued

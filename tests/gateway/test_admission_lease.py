@@ -175,3 +175,21 @@ def test_cold_requests_publish_demand_at_once(backend, make_gateway, mode) -> No
     assert demand.lease_active
     backend.start()
     t.join(30)
+
+
+def test_bodies_held_while_cold_are_bounded_in_bytes(backend, make_gateway) -> None:
+    gw = make_gateway(backend, max_queue=50, max_body_bytes=64 * 1024, max_held_body_bytes=256 * 1024)
+    big = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 60_000}]}).encode()
+    with ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(post, gw.port, big) for _ in range(10)]
+        # 256 KiB holds four ~60 KB bodies; the rest are refused at once, before being read.
+        wait_for(lambda: sum(f.done() for f in futures) >= 6, timeout=30, what="byte-budget 429s")
+        assert queue(gw)["queued"] == 4
+        backend.start()
+        results = [f.result(timeout=60) for f in futures]
+    codes = sorted(status for status, _, _ in results)
+    assert codes == [200] * 4 + [429] * 6
+    refused = [json.loads(body) for status, _, body in results if status == 429]
+    assert all(doc["error"]["code"] == "queue_full" for doc in refused)
+    text = requests.get(gw.url + "/metrics", timeout=5).text
+    assert 'noctaya_gateway_rejections_total{reason="queue_bytes_full"} 6.0' in text

@@ -216,3 +216,16 @@ def test_prober_kick_shortens_a_warm_wait_only_when_backend_went_cold() -> None:
     finally:
         prober.stop()
         g.kill()
+
+
+def test_held_body_bytes_are_bounded_and_returned() -> None:
+    slots = AdmissionSlots(10, max_held_bytes=1000)
+    a, b, c = (slots.try_admit(in_flight=False) for _ in range(3))
+    assert a.reserve_bytes(600) and not b.reserve_bytes(500) and b.held_bytes == 0
+    assert b.reserve_bytes(400) and slots.held_bytes == 1000
+    a.trim_bytes(100)
+    assert slots.held_bytes == 500 and c.reserve_bytes(500)
+    for t in (a, b, c):
+        t.release()
+        t.release()
+    assert slots.held_bytes == 0

@@ -36,6 +36,13 @@ READY_TIMEOUT_SECONDS = 180
 KUBECTL_TIMEOUT_SECONDS = 120
 
 
+START_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """etcd or kube-apiserver lost the race for a port probed as free."""
+
+
 class KubeUnavailable(Exception):
     """The test API server cannot be had on this machine; the message is the skip reason."""
 
@@ -199,15 +206,24 @@ class ControlPlane:
 
     def start(self) -> None:
         try:
-            self._start()
+            pki = self.workdir / "pki"
+            pki.mkdir(parents=True)
+            _generate_pki(pki)
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    self._start(pki)
+                    return
+                except PortTaken:
+                    # A free port was taken by someone else between probing and binding it.
+                    self._stop_processes()
+                    shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+                    if attempt == START_ATTEMPTS:
+                        raise
         except BaseException:
             self.stop()
             raise
 
-    def _start(self) -> None:
-        pki = self.workdir / "pki"
-        pki.mkdir(parents=True)
-        _generate_pki(pki)
+    def _start(self, pki: Path) -> None:
         # token,user,uid,"groups": a static admin in system:masters (RBAC's superuser group).
         tokens = pki / "tokens.csv"
         tokens.write_text(f'{self.token},noctaya-test-admin,uid-admin,"system:masters"\n')
@@ -276,7 +292,10 @@ class ControlPlane:
         while time.monotonic() < deadline:
             for name, proc in self._procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
+                    tail = self.log_tail(name)
+                    if "address already in use" in tail:
+                        raise PortTaken(tail)
+                    raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")
             try:
                 resp = requests.get(url, verify=verify, headers=headers, timeout=5)
                 if resp.status_code == 200:
@@ -306,6 +325,10 @@ class ControlPlane:
         self.kubeconfig.chmod(0o600)
 
     def stop(self) -> None:
+        self._stop_processes()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _stop_processes(self) -> None:
         # The API server first, so it does not spin on a vanished etcd.
         for _name, proc in reversed(self._procs):
             if proc.poll() is None:
@@ -316,7 +339,6 @@ class ControlPlane:
                     proc.kill()
                     proc.wait(timeout=20)
         self._procs.clear()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
     # --- client -----------------------------------------------------------------------------------
 

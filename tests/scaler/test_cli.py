@@ -84,3 +84,20 @@ def test_aggregate_end_to_end_and_sigterm(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(10)
         proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_aggregate_reports_a_port_in_use(tmp_path: Path) -> None:
+    import socket
+
+    token = tmp_path / "token"
+    token.write_text("t")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "scaler", "aggregate", "--host", "127.0.0.1", "--report-port", str(port),
+             "--scaler-port", "0", "--aggregator-token-file", str(token)],
+            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60,
+        )
+    assert proc.returncode == 1 and "cannot listen for reports" in proc.stderr

@@ -281,3 +281,22 @@ def test_unary_flood_beyond_the_pending_bound_is_refused_not_queued(broadcaster,
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert codes.count(grpc.StatusCode.OK) >= 1 and codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
     assert stub.IsActive(REF, timeout=10).result is False  # still serving afterwards
+
+
+def test_single_pool_fallback_still_keeps_unary_threads(broadcaster, open_stub, monkeypatch) -> None:
+    """Without grpcio's per-handler pool hook, one pool of max_streams + unary_workers is used."""
+    import scaler.service as service
+
+    monkeypatch.setattr(service, "_per_method_pools_supported", lambda: False)
+    server = start_scaler_server(broadcaster, 0, host="127.0.0.1",
+                                 settings=ScalerSettings(max_streams=6, unary_workers=1))
+    try:
+        stub = open_stub(server.port)
+        streams = [stub.StreamIsActive(REF, timeout=30) for _ in range(6)]
+        assert all(next(s).result is False for s in streams)
+        assert all(stub.IsActive(REF, timeout=10).result is False for _ in range(10))
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.StreamIsActive(REF, timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        server.stop(2.0)
