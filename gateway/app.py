@@ -318,21 +318,18 @@ class GatewayApp:
 
     # -- /v1/models --------------------------------------------------------------------------
     def _models(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        """Answered locally while cold (listing must never wake a GPU: no slot, no lease)."""
+        """Answered locally while cold (listing must never wake a GPU: no slot, no lease, no
+        demand - not even the brief in-flight count of a proxied request, which KEDA would see)."""
         if self.activation.ready:
-            ticket = self.activation.slots.try_admit(in_flight=True)
-            if ticket is not None:
-                try:
-                    resp = self._forward(environ, None)
-                except ConnectFailed:
-                    ticket.release()
-                    self.pool.clear()
-                    self.activation.backend_unreachable()
-                except UpstreamFailed:
-                    ticket.release()
-                    return self._error(start_response, "backend_failure")
-                else:
-                    return self._relay(start_response, resp, ticket)
+            try:
+                resp = self._forward(environ, None)
+            except ConnectFailed:
+                self.pool.clear()
+                self.activation.backend_unreachable()
+            except UpstreamFailed:
+                pass  # the listing is static knowledge: answer it ourselves
+            else:
+                return self._relay(start_response, resp, None)
         return self._respond(start_response, 200, self._models_body)
 
     # -- warm path ---------------------------------------------------------------------------
@@ -377,7 +374,9 @@ class GatewayApp:
     def _retry_after_429(self) -> list[tuple[str, str]]:
         return [("Retry-After", str(self.config.queue_full_retry_after_seconds))]
 
-    def _relay(self, start_response: StartResponse, resp: UpstreamResponse, ticket: Ticket) -> Iterable[bytes]:
+    def _relay(
+        self, start_response: StartResponse, resp: UpstreamResponse, ticket: Ticket | None,
+    ) -> Iterable[bytes]:
         headers = resp.end_to_end_headers()
         start_response(f"{resp.status} {resp.reason}", headers)
         self.metrics.count_response(resp.status)
@@ -543,7 +542,7 @@ class _Guarded:
 class _Relay:
     """Response body relayed from the backend; releases the slot and the connection on close."""
 
-    def __init__(self, resp: UpstreamResponse, ticket: Ticket, *, sse: bool) -> None:
+    def __init__(self, resp: UpstreamResponse, ticket: Ticket | None, *, sse: bool) -> None:
         self._resp = resp
         self._ticket = ticket
         self._sse = sse
@@ -564,7 +563,8 @@ class _Relay:
         try:
             self._resp.close()
         finally:
-            self._ticket.release()
+            if self._ticket is not None:
+                self._ticket.release()
 
 
 class GatewayServer:

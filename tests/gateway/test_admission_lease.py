@@ -193,3 +193,18 @@ def test_bodies_held_while_cold_are_bounded_in_bytes(backend, make_gateway) -> N
     assert all(doc["error"]["code"] == "queue_full" for doc in refused)
     text = requests.get(gw.url + "/metrics", timeout=5).text
     assert 'noctaya_gateway_rejections_total{reason="queue_bytes_full"} 6.0' in text
+
+
+def test_a_failing_demand_sink_never_fails_client_requests(backend, make_gateway) -> None:
+    from scaler.demand import DemandBroadcaster
+
+    class Broken(DemandBroadcaster):
+        def publish(self, demand):  # type: ignore[override]
+            super().publish(demand)
+            raise RuntimeError("sink failed after storing")
+
+    gw = make_gateway(backend, broadcaster=Broken())
+    backend.start()
+    status, _, body = post(gw.port)
+    assert status == 200 and b"tok4" in body
+    assert gw.broadcaster.current().active  # the value itself was stored

@@ -122,6 +122,13 @@ def test_models_answered_locally_while_cold_without_demand(backend, make_gateway
     backend.start()
     client(gw).chat.completions.create(model="m", messages=MESSAGES)
     assert client(gw).models.list().data[0].owned_by == "fake-backend"
+    # Scaled to zero while the gateway still believes it ready: the listing falls back to the local
+    # answer without a single demand transition (a brief in-flight count would wake KEDA).
+    wait_for(lambda: not gw.broadcaster.current().active, what="idle")
+    backend.stop()
+    version = gw.broadcaster.version
+    assert [m.id for m in client(gw).models.list().data] == ["test-model"]
+    assert gw.broadcaster.version == version and not gw.broadcaster.current().active
 
 
 def test_backend_scaled_to_zero_between_requests_turns_next_request_cold(backend, make_gateway) -> None:

@@ -47,6 +47,9 @@ class KubeUnavailable(Exception):
     """The test API server cannot be had on this machine; the message is the skip reason."""
 
 
+_FAILED_BUILDS: dict[Path, str] = {}
+
+
 def _versions() -> dict[str, str]:
     values: dict[str, str] = {}
     for line in (TESTENV_DIR / "versions.env").read_text().splitlines():
@@ -87,6 +90,17 @@ def ensure_binaries() -> Path:
     bin_dir = cache_dir() / "bin"
     if _built(bin_dir):
         return bin_dir
+    # A build that failed once in this process fails again: do not spend another build on it.
+    if bin_dir in _FAILED_BUILDS:
+        raise KubeUnavailable(_FAILED_BUILDS[bin_dir])
+    try:
+        return _build(bin_dir)
+    except KubeUnavailable as exc:
+        _FAILED_BUILDS[bin_dir] = str(exc)
+        raise
+
+
+def _build(bin_dir: Path) -> Path:
     if shutil.which("go") is None:
         raise KubeUnavailable(
             f"Go toolchain not found: cannot build etcd/kube-apiserver/kubectl into {bin_dir} "
