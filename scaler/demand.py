@@ -224,7 +224,9 @@ class DemandBroadcaster:
             waiter.wait(timeout)
         finally:
             with self._lock:
-                registry.discard(waiter)
+                # Discard from the *current* set: a publisher that swapped the old one out now owns it
+                # and iterates it outside the lock, so it must not change under that iteration.
+                (self._activity_waiters if activity else self._waiters).discard(waiter)
         with self._lock:
             return self._read(activity)
 

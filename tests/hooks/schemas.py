@@ -15,7 +15,8 @@ from typing import Any
 import kubernetes.client as k8s
 import yaml
 
-KEDA_SCALEDOBJECT_CRD = Path("/work/shared/third_party/keda/keda.sh_scaledobjects.yaml")
+# ../shared/third_party beside the repository (CI lays a copy of shared/ next to the clone).
+KEDA_SCALEDOBJECT_CRD = Path(__file__).resolve().parents[3] / "shared" / "third_party" / "keda" / "keda.sh_scaledobjects.yaml"
 
 KINDS = {
     ("apps/v1", "Deployment"): "V1Deployment",
