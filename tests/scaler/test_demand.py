@@ -177,3 +177,39 @@ def test_activity_waiters_sleep_through_count_changes() -> None:
     t.join(30)
     assert out == [(2, Demand())]
     assert b.wait_for_activity_change(1, 30.0) == (2, Demand())  # already flipped: at once
+
+
+def test_waiters_leaving_while_publisher_wakes_them_never_break_publish() -> None:
+    """Regression: a waiter timing out used to discard itself from the set a publisher was iterating."""
+    b = DemandBroadcaster(max_waiters=256)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def waiter() -> None:
+        seen = 0
+        while not stop.is_set():
+            try:
+                seen, _ = b.wait_for_change(seen, timeout=0.001)
+            except BaseException as exc:  # noqa: BLE001 - any failure is the bug
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=waiter, daemon=True) for _ in range(64)]
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, so the interleaving happens
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 2.0
+        n = 0
+        while time.monotonic() < deadline:
+            n += 1
+            b.publish(Demand(queued=n % 7))
+    except BaseException as exc:  # noqa: BLE001
+        errors.append(exc)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        sys.setswitchinterval(old_interval)
+    assert errors == []
