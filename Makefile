@@ -28,7 +28,7 @@ render: $(STAMP)
 	$(PY) -m hooks render examples/runtimes examples/models
 
 crds: $(STAMP)
-	$(PY) -m hooks crds --out crds
+	$(PY) -m hooks.crdgen --out crds --api-reference docs/api.md
 
 bench: $(STAMP)
 	$(PY) -m bench
