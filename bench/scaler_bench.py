@@ -3,7 +3,8 @@
 Run: .venv/bin/python -m bench.scaler_bench [--rounds N] [--pushes N]
 
 The scaler runs in a separate process (bench/scaler_host.py), once natively (the aggregate
-scaler) and once inside a gevent-monkey-patched process (the gateway's in-process scaler). The
+scaler, and the `python -m scaler local` child a single gateway runs) and once inside a
+gevent-monkey-patched process (grpc's gevent mode: the design the gateway measured and rejected). The
 client here issues 200 concurrent unary calls (GetMetrics / IsActive alternating, as grpc futures
 from one thread so the client's own threads don't add queueing) with 0 streams open (baseline) and
 with 128 StreamIsActive streams open (baseline measured before and after: A-B-A), and reports
@@ -205,7 +206,7 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(f"scaler bench: {CONCURRENT} concurrent unary calls x {args.rounds} rounds; {STREAMS} open streams; "
           f"{args.pushes} publishes; {os.cpu_count()} CPUs; load average {load:.2f} at start")
-    for label, gevent in (("native threads (aggregate scaler)", False), ("gevent-patched (gateway local)", True)):
+    for label, gevent in (("native threads (aggregate scaler, gateway scaler child)", False), ("gevent-patched (grpc gevent mode, not used by the gateway)", True)):
         t0 = time.monotonic()
         r = run_mode(gevent, args.rounds, args.pushes)
         print(f"\n[{label}] ({time.monotonic() - t0:.1f} s)")

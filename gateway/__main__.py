@@ -1,7 +1,7 @@
 """``python -m gateway``: one gevent process serving the OpenAI-compatible front door.
 
-gevent's monkey-patching must precede every other import (the in-process gRPC scaler and the
-demand reporter then run as greenlets).
+gevent's monkey-patching must precede every other import (the demand reporter and the feeder of
+the scaler child process then run as greenlets).
 """
 
 from gevent import monkey
@@ -25,23 +25,13 @@ from scaler.demand import DemandBroadcaster  # noqa: E402
 log = logging.getLogger("noctaya.gateway")
 
 
-def _start_scaler(
-    config: GatewayConfig, broadcaster: DemandBroadcaster, server: GatewayServer
-) -> list[Callable[[], None]]:
+def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list[Callable[[], None]]:
     """Start the demand sink of the configured scaler mode; returns its shutdown steps."""
     if config.scaler_mode == "local":
-        from scaler.service import start_scaler_server
-        from scaler.tls import TLSFiles
+        from gateway.scaler_process import ScalerProcess
 
-        tls = None
-        if config.scaler_tls_cert_file and config.scaler_tls_key_file and config.scaler_tls_ca_file:
-            tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
-        scaler = start_scaler_server(
-            broadcaster, config.scaler_port, metric_name=config.metric_name,
-            target=config.scaling_target, tls=tls,
-        )
-        server.app.metrics.registry.register(scaler.collector())  # one /metrics for both
-        return [lambda: scaler.stop(grace=2.0)]
+        scaler = ScalerProcess(config, broadcaster).start()
+        return [lambda: scaler.stop(grace=5.0)]
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
 
@@ -61,8 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     broadcaster = DemandBroadcaster()
     server = GatewayServer(config, broadcaster)
     try:
-        # Before anything else touches grpc: start_scaler_server switches grpc to gevent mode.
-        shutdown_steps = _start_scaler(config, broadcaster, server)
+        shutdown_steps = _start_scaler(config, broadcaster)
     except Exception as exc:
         log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
         return 1

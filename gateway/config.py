@@ -196,7 +196,7 @@ _HELP = {
     "max_queue": "bound on waiting + in-flight requests",
     "cold_mode": "keepalive (hold with SSE heartbeats) or reject (503 + Retry-After)",
     "auth_key_file": "client API key file (mounted Secret key), reread per request; unset = no auth",
-    "scaler_mode": "local (in-process gRPC scaler), report (push to aggregator), off",
+    "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
 }
 
 

@@ -4,7 +4,7 @@
    Kubernetes takes the Pod out of the Service while nothing new is accepted;
 2. requests already admitted (in flight or waiting) may finish within the drain grace;
 3. the demand is withdrawn (published as zero; report mode POSTs ``withdraw: true``) and the
-   in-process scaler stops, ending its StreamIsActive streams with status OK;
+   scaler child process stops, ending its StreamIsActive streams with status OK;
 4. the HTTP server stops (closing whatever is left after the grace).
 """
 

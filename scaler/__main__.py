@@ -1,5 +1,7 @@
-"""``python -m scaler aggregate`` (aggregate scaler: HTTP reports + gRPC ExternalScaler) and
-``python -m scaler gen-proto`` (regenerate the committed gRPC stubs)."""
+"""``python -m scaler aggregate`` (aggregate scaler: HTTP reports + gRPC ExternalScaler),
+``python -m scaler local`` (the gRPC ExternalScaler of a single gateway, fed demand on stdin by the
+gateway that starts it; see scaler/pipe.py) and ``python -m scaler gen-proto`` (regenerate the
+committed gRPC stubs)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,20 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise SystemExit(f"{name} must be a number") from None
 
 
+def _add_scaler_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """Flags of the gRPC ExternalScaler, shared by `aggregate` and `local`."""
+    parser.add_argument("--host", default="0.0.0.0", help="bind address")
+    parser.add_argument("--scaler-port", type=int, default=_env_int(env, "NOCTAYA_SCALER_PORT", 9090))
+    parser.add_argument("--scaling-target", type=int, default=_env_int(env, "NOCTAYA_SCALING_TARGET", 10))
+    parser.add_argument("--metric-name", default=env.get("NOCTAYA_METRIC_NAME", "noctaya-demand"))
+    parser.add_argument("--scaler-tls-cert-file", default=env.get("NOCTAYA_SCALER_TLS_CERT_FILE", ""))
+    parser.add_argument("--scaler-tls-key-file", default=env.get("NOCTAYA_SCALER_TLS_KEY_FILE", ""))
+    parser.add_argument("--scaler-tls-ca-file", default=env.get("NOCTAYA_SCALER_TLS_CA_FILE", ""))
+    parser.add_argument("--drain-grace-seconds", type=float,
+                        default=_env_float(env, "NOCTAYA_DRAIN_GRACE_SECONDS", 5.0),
+                        help="grace for in-flight gRPC calls on shutdown (streams end with OK at once)")
+
+
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     env = os.environ if env is None else env
     parser = argparse.ArgumentParser(prog="python -m scaler", description=__doc__)
@@ -41,9 +57,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 
     agg = sub.add_parser("aggregate", help="run the aggregate scaler (HTTP 9091 reports, gRPC 9090)",
                          description="Every flag defaults to its NOCTAYA_* environment variable.")
-    agg.add_argument("--host", default="0.0.0.0", help="bind address of both servers")
+    _add_scaler_flags(agg, env)
     agg.add_argument("--report-port", type=int, default=_env_int(env, "NOCTAYA_REPORT_PORT", 9091))
-    agg.add_argument("--scaler-port", type=int, default=_env_int(env, "NOCTAYA_SCALER_PORT", 9090))
     agg.add_argument("--aggregator-token-file", default=env.get("NOCTAYA_AGGREGATOR_TOKEN_FILE", ""))
     agg.add_argument("--max-members", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBERS", 64))
     agg.add_argument("--max-member-demand", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBER_DEMAND", 100))
@@ -51,24 +66,48 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                      default=_env_float(env, "NOCTAYA_MEMBER_TTL_SECONDS", 10.0))
     agg.add_argument("--max-concurrent-reports", type=int,
                      default=_env_int(env, "NOCTAYA_MAX_CONCURRENT_REPORTS", 16))
-    agg.add_argument("--scaling-target", type=int, default=_env_int(env, "NOCTAYA_SCALING_TARGET", 10))
-    agg.add_argument("--metric-name", default=env.get("NOCTAYA_METRIC_NAME", "noctaya-demand"))
-    agg.add_argument("--scaler-tls-cert-file", default=env.get("NOCTAYA_SCALER_TLS_CERT_FILE", ""))
-    agg.add_argument("--scaler-tls-key-file", default=env.get("NOCTAYA_SCALER_TLS_KEY_FILE", ""))
-    agg.add_argument("--scaler-tls-ca-file", default=env.get("NOCTAYA_SCALER_TLS_CA_FILE", ""))
-    agg.add_argument("--drain-grace-seconds", type=float,
-                     default=_env_float(env, "NOCTAYA_DRAIN_GRACE_SECONDS", 5.0),
-                     help="grace for in-flight gRPC calls on SIGTERM (streams end with OK at once)")
+
+    local = sub.add_parser("local", help="serve the gRPC scaler of one gateway, reading its demand from stdin",
+                           description="Started by `python -m gateway` in scaler mode local; it exits when "
+                           "stdin closes. Every flag defaults to its NOCTAYA_* environment variable.")
+    _add_scaler_flags(local, env)
 
     sub.add_parser("gen-proto", help="regenerate scaler/externalscaler_pb2*.py from proto/")
     return parser
 
 
+def _scaler_settings(args: argparse.Namespace) -> tuple[object, object]:
+    """ScalerSettings and TLS files from the shared flags; ValueError on bad values."""
+    from scaler.service import ScalerSettings
+    from scaler.tls import tls_files_from_env
+
+    settings = ScalerSettings(metric_name=args.metric_name, target=args.scaling_target)
+    tls = tls_files_from_env({
+        "NOCTAYA_SCALER_TLS_CERT_FILE": args.scaler_tls_cert_file,
+        "NOCTAYA_SCALER_TLS_KEY_FILE": args.scaler_tls_key_file,
+        "NOCTAYA_SCALER_TLS_CA_FILE": args.scaler_tls_ca_file,
+    })
+    return settings, tls
+
+
+def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object, tls: object) -> object | None:
+    from scaler.service import start_scaler_server
+
+    try:
+        return start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=settings)
+    except (OSError, ValueError) as exc:  # port in use, unreadable TLS material
+        print(f"scaler: cannot start the gRPC scaler: {exc}", file=sys.stderr)
+        return None
+
+
+def _wait_for(stop: threading.Event) -> None:
+    while not stop.wait(0.2):  # short waits keep the main thread responsive to signals
+        pass
+
+
 def _aggregate(args: argparse.Namespace) -> int:
     from scaler.aggregator import Aggregator, AggregatorSettings
     from scaler.demand import DemandBroadcaster
-    from scaler.service import ScalerSettings, start_scaler_server
-    from scaler.tls import tls_files_from_env
 
     try:
         settings = AggregatorSettings(
@@ -76,23 +115,15 @@ def _aggregate(args: argparse.Namespace) -> int:
             max_member_demand=args.max_member_demand, member_ttl=args.member_ttl_seconds,
             max_concurrent_reports=args.max_concurrent_reports,
         )
-        scaler_settings = ScalerSettings(metric_name=args.metric_name, target=args.scaling_target)
-        tls = tls_files_from_env({
-            "NOCTAYA_SCALER_TLS_CERT_FILE": args.scaler_tls_cert_file,
-            "NOCTAYA_SCALER_TLS_KEY_FILE": args.scaler_tls_key_file,
-            "NOCTAYA_SCALER_TLS_CA_FILE": args.scaler_tls_ca_file,
-        })
+        scaler_settings, tls = _scaler_settings(args)
     except ValueError as exc:
         print(f"scaler: {exc}", file=sys.stderr)
         return 2
 
     broadcaster = DemandBroadcaster()
     aggregator = Aggregator(settings, broadcaster)
-    try:
-        scaler = start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls,
-                                     settings=scaler_settings)
-    except (OSError, ValueError) as exc:  # port in use, unreadable TLS material
-        print(f"scaler: cannot start the gRPC scaler: {exc}", file=sys.stderr)
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls)
+    if scaler is None:
         return 1
     aggregator.registry.register(scaler.collector())
     try:
@@ -107,10 +138,34 @@ def _aggregate(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
+    _wait_for(stop)
     scaler.stop(args.drain_grace_seconds)
     aggregator.stop()
+    return 0
+
+
+def _local(args: argparse.Namespace) -> int:
+    from scaler.demand import DemandBroadcaster
+    from scaler.pipe import mirror_demand
+
+    try:
+        scaler_settings, tls = _scaler_settings(args)
+    except ValueError as exc:
+        print(f"scaler: {exc}", file=sys.stderr)
+        return 2
+    broadcaster = DemandBroadcaster()
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls)
+    if scaler is None:
+        return 1
+    stop = threading.Event()
+    # The feeding gateway decides when this process ends (it closes our stdin after draining), so a
+    # Ctrl-C that reaches the whole process group does not end KEDA's streams before the drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    mirror_demand(sys.stdin.buffer, broadcaster, on_eof=stop.set)
+    print(f"scaler: gRPC on {args.host}:{scaler.port}, demand from stdin", file=sys.stderr, flush=True)
+    _wait_for(stop)
+    scaler.stop(args.drain_grace_seconds)
     return 0
 
 
@@ -122,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from scaler.gen_proto import main as gen_main
 
         return gen_main()
+    if args.command == "local":
+        return _local(args)
     return _aggregate(args)
 
 

@@ -16,9 +16,12 @@ Behaviour that KEDA relies on (SPEC §7):
 * StreamMetricSpec answers UNIMPLEMENTED: the spec is static, KEDA then silently keeps polling
   GetMetricSpec, and no pool thread is spent holding a stream that would never send twice.
 
-In a gevent-monkey-patched process (the gateway) grpc must run in gevent mode
+In a gevent-monkey-patched process grpc must run in gevent mode
 (``grpc.experimental.gevent.init_gevent()``, done by ``start_scaler_server``): grpc's pool
-"threads" are then greenlets that wait on the broadcaster cooperatively.
+"threads" are then greenlets that wait on the broadcaster cooperatively. The gateway itself does not
+use that mode (it runs ``python -m scaler local`` as a child process, see gateway/scaler_process.py,
+because grpc's gevent mode costs about twice the CPU per call); it stays supported and tested for
+embedding the scaler in another gevent program.
 """
 
 from __future__ import annotations

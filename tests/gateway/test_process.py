@@ -232,3 +232,69 @@ def test_report_mode_pushes_demand_and_withdraws_on_sigterm(backend, tmp_path) -
     finally:
         gw.stop()
         aggregator.stop()
+
+
+def scaler_children(gateway_pid: int) -> list[int]:
+    """PIDs of `python -m scaler local` processes whose parent is the gateway."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == gateway_pid and b"scaler" in cmdline and b"local" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def test_scaler_child_is_restarted_and_learns_the_current_demand(backend) -> None:
+    gw = GatewayProcess(backend)
+    try:
+        wait_for(lambda: len(scaler_children(gw.proc.pid)) == 1, timeout=20, what="scaler child started")
+        (first,) = scaler_children(gw.proc.pid)
+        # A cold request (the backend never becomes ready here) holds demand in the gateway.
+        def held_request() -> None:
+            try:
+                requests.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=60)
+            except requests.RequestException:
+                pass  # the gateway is killed at the end of the test while this is still held
+
+        threading.Thread(target=held_request, daemon=True).start()
+        wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=2).json()["queued"] == 1,
+                 timeout=10, what="request queued")
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: [p for p in scaler_children(gw.proc.pid) if p != first and pid_alive(p)],
+                 timeout=20, what="a new scaler child")
+
+        def active_on_new_child() -> bool:
+            with grpc.insecure_channel(f"127.0.0.1:{gw.scaler_port}") as ch:
+                try:
+                    return pb_grpc.ExternalScalerStub(ch).IsActive(REF, timeout=1).result
+                except grpc.RpcError:
+                    return False
+
+        wait_for(active_on_new_child, timeout=20, what="restarted scaler reports the held demand")
+    finally:
+        gw.stop()
+
+
+def test_scaler_child_never_outlives_a_killed_gateway(backend) -> None:
+    gw = GatewayProcess(backend)
+    wait_for(lambda: len(scaler_children(gw.proc.pid)) == 1, timeout=20, what="scaler child started")
+    (child,) = scaler_children(gw.proc.pid)
+    gw.proc.kill()  # SIGKILL: no drain, no cleanup code runs in the gateway
+    gw.proc.wait(10)
+    wait_for(lambda: not pid_alive(child), timeout=20, what="scaler child exits when its pipe closes")

@@ -1,0 +1,128 @@
+"""The in-pod ExternalScaler of a single gateway, run as a supervised child process.
+
+Why a child and not a greenlet: grpc under gevent costs about twice the CPU per call of grpc on
+plain threads and shares the gateway's one event loop, so a burst of KEDA polls slowed the data
+path and a flood of HTTP traffic slowed IsActive (docs/benchmarks.md, "Scaler"). As a child
+(`python -m scaler local`) it gets its own interpreter and core; the gateway still owns all
+admission state and mirrors each demand change down a pipe (scaler/pipe.py), newest state only.
+
+The child exits when the pipe closes, so it never outlives the gateway, even after a SIGKILL.
+If it dies, the gateway starts a new one (with backoff) and re-sends the current demand.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import gevent
+
+from gateway.config import GatewayConfig
+from scaler.demand import DemandBroadcaster
+from scaler.pipe import encode_demand
+
+log = logging.getLogger("noctaya.gateway.scaler")
+
+RESEND_SECONDS = 1.0  # re-send even without a change: a restarted child learns the state at once
+MAX_BACKOFF_SECONDS = 5.0
+
+
+def scaler_command(config: GatewayConfig) -> list[str]:
+    args = [
+        sys.executable, "-m", "scaler", "local",
+        "--host", config.listen_host, "--scaler-port", str(config.scaler_port),
+        "--scaling-target", str(config.scaling_target), "--metric-name", config.metric_name,
+        "--drain-grace-seconds", "2",
+    ]
+    for flag, path in (("--scaler-tls-cert-file", config.scaler_tls_cert_file),
+                       ("--scaler-tls-key-file", config.scaler_tls_key_file),
+                       ("--scaler-tls-ca-file", config.scaler_tls_ca_file)):
+        if path:
+            args += [flag, path]
+    return args
+
+
+class ScalerProcess:
+    """Starts, feeds and supervises `python -m scaler local` (call from a gevent-patched process)."""
+
+    def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster) -> None:
+        self._command = scaler_command(config)
+        self._broadcaster = broadcaster
+        self._proc: subprocess.Popen | None = None
+        self._stopping = False
+        self._feeder: gevent.Greenlet | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> ScalerProcess:
+        self._spawn()
+        self._feeder = gevent.spawn(self._feed_forever)
+        return self
+
+    def _spawn(self) -> None:
+        # Never the gateway's own stdout: the child logs to stderr like the gateway does.
+        self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      env=os.environ.copy(), close_fds=True)
+        log.info("scaler process started", extra={"pid": self._proc.pid})
+
+    def _feed_forever(self) -> None:
+        backoff = 0.25
+        while not self._stopping:
+            try:
+                self._feed_until_broken()
+            except (BrokenPipeError, OSError, ValueError) as exc:  # ValueError: write to a closed pipe
+                if self._stopping:
+                    return
+                log.warning("scaler process pipe broke", extra={"error": str(exc)})
+            if self._stopping:
+                return
+            self._reap()
+            log.warning("scaler process exited; restarting", extra={"backoff_seconds": backoff})
+            gevent.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            if not self._stopping:
+                self._spawn()
+
+    def _feed_until_broken(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        stdin = self._proc.stdin
+        version, demand = self._broadcaster.snapshot()
+        while not self._stopping:
+            stdin.write(encode_demand(demand))
+            stdin.flush()
+            if self._proc.poll() is not None:
+                raise BrokenPipeError("scaler process exited")
+            version, demand = self._broadcaster.wait_for_change(version, timeout=RESEND_SECONDS)
+
+    def _reap(self) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Close the pipe (the child ends KEDA's streams with OK and exits); kill it after `grace`."""
+        self._stopping = True
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            try:
+                proc.stdin.write(encode_demand(self._broadcaster.current()))
+                proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("scaler process did not stop in time; killing it")
+            proc.kill()
+            proc.wait()
+        if self._feeder is not None:
+            self._feeder.kill(block=False)

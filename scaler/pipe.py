@@ -1,0 +1,77 @@
+"""Demand over a pipe: how a gateway feeds the ExternalScaler process it runs beside itself.
+
+A single gateway runs its scaler as a child process (``python -m scaler local``) rather than in its
+own gevent loop: KEDA's calls then get a core of their own and a plain-threads grpc server (about
+half the CPU per call of grpc's gevent mode, see docs/benchmarks.md), and a flood of HTTP traffic
+cannot delay IsActive. The gateway still owns all admission state; the child only mirrors the
+latest `Demand`, one JSON line per change:
+
+    {"q": <queued>, "f": <in flight>, "l": <lease active>}
+
+Lines are tiny and each one carries the complete state, so a reader that falls behind or starts
+late only needs the newest line; nothing accumulates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import BinaryIO
+
+from scaler.demand import IDLE, Demand, DemandBroadcaster
+
+log = logging.getLogger("noctaya.scaler.pipe")
+
+MAX_LINE_BYTES = 256  # a well-formed line is < 60 bytes; anything longer is not from our gateway
+
+
+def encode_demand(demand: Demand) -> bytes:
+    return json.dumps({"q": demand.queued, "f": demand.in_flight, "l": demand.lease_active},
+                      separators=(",", ":")).encode() + b"\n"
+
+
+def decode_demand(line: bytes) -> Demand:
+    """Parse one line; raises ValueError on anything that is not a well-formed demand line."""
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError("not JSON") from exc
+    if not isinstance(obj, dict):
+        raise ValueError("not an object")
+    queued, in_flight, lease = obj.get("q"), obj.get("f"), obj.get("l")
+    if type(queued) is not int or type(in_flight) is not int or type(lease) is not bool:
+        raise ValueError("fields q, f (integers) and l (boolean) are required")
+    return Demand(queued=queued, in_flight=in_flight, lease_active=lease)  # negative counts raise
+
+
+def mirror_demand(stream: BinaryIO, broadcaster: DemandBroadcaster, on_eof: Callable[[], None]) -> threading.Thread:
+    """Publish every demand line read from `stream` until it closes, then publish IDLE and call
+    `on_eof` (the feeding gateway is gone: its demand must not outlive it)."""
+
+    def run() -> None:
+        try:
+            while True:
+                line = stream.readline(MAX_LINE_BYTES + 1)
+                if not line:
+                    break
+                if len(line) > MAX_LINE_BYTES or not line.endswith(b"\n"):
+                    log.warning("ignoring an over-long demand line")
+                    # skip to the end of that line, in bounded steps
+                    while line and not line.endswith(b"\n"):
+                        line = stream.readline(MAX_LINE_BYTES + 1)
+                    continue
+                try:
+                    broadcaster.publish(decode_demand(line))
+                except ValueError as exc:
+                    log.warning("ignoring a malformed demand line: %s", exc)
+        except OSError as exc:
+            log.warning("demand pipe failed: %s", exc)
+        finally:
+            broadcaster.publish(IDLE)
+            on_eof()
+
+    thread = threading.Thread(target=run, name="noctaya-demand-pipe", daemon=True)
+    thread.start()
+    return thread
