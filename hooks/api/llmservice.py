@@ -27,12 +27,20 @@ from hooks.api.common import (
 from hooks.api.status import LLMServiceStatus
 
 # hf://org/name, modelscope://org/name, oci://registry/repo@sha256:<64 hex>, pvc://claim[/sub/path]
-_HUB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*"
-MODEL_SOURCE_RE = (
-    rf"^((hf|modelscope)://{_HUB_ID}"
-    r"|oci://[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+@sha256:[a-f0-9]{64}"
-    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)*)$"
-)
+_HUB_SOURCE_RE = r"^(hf|modelscope)://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+_OCI_SOURCE_RE = r"^oci://[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+@sha256:[a-f0-9]{64}$"
+_PVC_SOURCE_RE = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)*$"
+MODEL_SOURCE_RE = "|".join(f"({r})" for r in (_HUB_SOURCE_RE, _OCI_SOURCE_RE, _PVC_SOURCE_RE))
+# The schema pattern only checks the scheme; one rule per scheme then says exactly what is wrong
+# (an OpenAPI pattern failure would show the user this whole regex).
+_SCHEME_RE = r"^(hf|modelscope|oci|pvc)://"
+
+
+def _cel_string(regex: str) -> str:
+    """A regex as a single-quoted CEL string literal."""
+    return "'" + regex.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 # `..` or `.` as a path segment: rejected so a pvc:// subPath cannot leave its claim.
 _DOT_SEGMENT_RE = r"/\.\.?(/|$)"
 
@@ -78,7 +86,7 @@ class ModelSpec(ApiModel):
         description="Where the weights come from: hf://org/name (Hugging Face), modelscope://org/name, "
         "oci://registry/repo@sha256:<digest> (an OCI artifact; digest pinning is mandatory), or "
         "pvc://claim/sub/path (pre-staged weights, mounted read-only at the runtime's modelMountPath).",
-        pattern=MODEL_SOURCE_RE,
+        pattern=_SCHEME_RE,
         max_length=512,
     )
     revision: str | None = Field(
@@ -101,9 +109,26 @@ class ModelSpec(ApiModel):
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
-            cel="!self.source.startsWith('pvc://') || !('/' + self.source.substring(6)).matches('"
-            + _DOT_SEGMENT_RE.replace("\\", "\\\\")
-            + "')",
+            cel="!(self.source.startsWith('hf://') || self.source.startsWith('modelscope://')) || "
+            f"self.source.matches({_cel_string(_HUB_SOURCE_RE)})",
+            message="a hub source is hf://org/name or modelscope://org/name",
+            check=lambda s: not s.source.startswith(("hf://", "modelscope://"))
+            or re.fullmatch(_HUB_SOURCE_RE, s.source) is not None,
+        ),
+        Rule(
+            cel=f"!self.source.startsWith('oci://') || self.source.matches({_cel_string(_OCI_SOURCE_RE)})",
+            message="an oci:// source must pin a digest: oci://registry/repo@sha256:<64 hex digits> (tags are not allowed)",
+            check=lambda s: not s.source.startswith("oci://") or re.fullmatch(_OCI_SOURCE_RE, s.source) is not None,
+        ),
+        Rule(
+            cel=f"!self.source.startsWith('pvc://') || self.source.matches({_cel_string(_PVC_SOURCE_RE)})",
+            message="a pvc:// source is pvc://<claim name>[/sub/path]",
+            check=lambda s: not s.source.startswith("pvc://") or re.fullmatch(_PVC_SOURCE_RE, s.source) is not None,
+        ),
+        Rule(
+            cel="!self.source.startsWith('pvc://') || !('/' + self.source.substring(6)).matches("
+            + _cel_string(_DOT_SEGMENT_RE)
+            + ")",
             message="a pvc:// source must not contain '.' or '..' path segments",
             check=lambda s: not s.source.startswith("pvc://") or not re.search(_DOT_SEGMENT_RE, "/" + s.source[6:]),
         ),

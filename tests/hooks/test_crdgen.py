@@ -345,6 +345,22 @@ LLM_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
         None,
     ),
     (
+        {"model": {"source": "hf://no-org"}, "runtime": {"name": "r"}},
+        "a hub source is hf://org/name or modelscope://org/name",
+    ),
+    (
+        {"model": {"source": "modelscope://org/name/extra"}, "runtime": {"name": "r"}},
+        "a hub source is hf://org/name or modelscope://org/name",
+    ),
+    (
+        {"model": {"source": "oci://registry.example.com/models/qwen:latest"}, "runtime": {"name": "r"}},
+        "an oci:// source must pin a digest: oci://registry/repo@sha256:<64 hex digits> (tags are not allowed)",
+    ),
+    (
+        {"model": {"source": "pvc://Weights_Claim/x"}, "runtime": {"name": "r"}},
+        "a pvc:// source is pvc://<claim name>[/sub/path]",
+    ),
+    (
         {"model": {"source": "pvc://weights/../etc"}, "runtime": {"name": "r"}},
         "a pvc:// source must not contain '.' or '..' path segments",
     ),

@@ -161,6 +161,18 @@ CASES = [
         "oci-without-digest",
         VALID_LLMSERVICE,
         _set("model.source", "oci://registry.example.com/models/m:latest"),
+        "an oci:// source must pin a digest",
+    ),
+    Case(
+        "hub-source-without-org",
+        VALID_LLMSERVICE,
+        _set("model.source", "hf://just-a-name"),
+        "a hub source is hf://org/name or modelscope://org/name",
+    ),
+    Case(
+        "unknown-source-scheme",
+        VALID_LLMSERVICE,
+        _set("model.source", "s3://bucket/model"),
         "spec.model.source",
         cel=False,
     ),
