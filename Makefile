@@ -14,9 +14,11 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP)
 
+# pytest exits 5 when it collected nothing: that is a broken suite, so say it and fail loudly.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; failing" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
