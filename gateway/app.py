@@ -354,14 +354,8 @@ class GatewayApp:
             self.activation.backend_unreachable()
             ticket.requeue()
             return self._cold(environ, start_response, length, ticket=ticket, body=body)
-        except RequestBodyTooLarge:
-            ticket.release()
-            _abandon_input(environ)
-            return self._error(start_response, "too_large", [("Connection", "close")])
-        except ClientBodyError:
-            ticket.release()
-            _abandon_input(environ)
-            return self._error(start_response, "bad_request", [("Connection", "close")])
+        except (RequestBodyTooLarge, ClientBodyError) as exc:
+            return self._reject_body(environ, start_response, ticket, exc)
         except UpstreamFailed as exc:
             ticket.release()
             log.warning("backend failed before answering", extra={"detail": str(exc)})
@@ -370,6 +364,16 @@ class GatewayApp:
             ticket.release()
             raise
         return self._relay(start_response, resp, ticket)
+
+    def _reject_body(
+        self, environ: dict[str, Any], start_response: StartResponse, ticket: Ticket, exc: Exception,
+    ) -> Iterable[bytes]:
+        """Free the slot of a request whose body cannot be read (413 too large, 400 broken upload);
+        the rest of the upload is unread, so the connection closes."""
+        ticket.release()
+        _abandon_input(environ)
+        kind = "too_large" if isinstance(exc, RequestBodyTooLarge) else "bad_request"
+        return self._error(start_response, kind, [("Connection", "close")])
 
     def _retry_after_429(self) -> list[tuple[str, str]]:
         return [("Retry-After", str(self.config.queue_full_retry_after_seconds))]
@@ -416,14 +420,8 @@ class GatewayApp:
         try:
             if body is None:
                 body = self._read_body(environ, length)
-        except RequestBodyTooLarge:
-            ticket.release()
-            _abandon_input(environ)
-            return self._error(start_response, "too_large", [("Connection", "close")])
-        except ClientBodyError:
-            ticket.release()
-            _abandon_input(environ)
-            return self._error(start_response, "bad_request", [("Connection", "close")])
+        except (RequestBodyTooLarge, ClientBodyError) as exc:
+            return self._reject_body(environ, start_response, ticket, exc)
         ticket.trim_bytes(len(body))  # a chunked upload reserved the limit; keep what it used
         deadline = activation.cold_admission()
         client_gone = self._client_gone(environ)
