@@ -302,3 +302,32 @@ def test_runtime_status_accepts_and_rejects() -> None:
     assert (cond["status"], cond["reason"]) == ("False", "InvalidSpec") and "spec.accelerator.vendor" in cond["message"]
     again = runtime_status.sync({"parent": {**bad, "status": answer["status"]}}, h.config(h.LATER_TIME))
     assert again["status"] == answer["status"]
+
+
+# --- a runtime change reaches every LLMService that uses it --------------------------------------
+
+
+def _backend_image(answer: dict) -> str:
+    deploy = next(c for c in answer["children"] if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("-backend"))
+    return deploy["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def test_runtime_change_reaches_every_llmservice_that_uses_it() -> None:
+    """Both ways of choosing a runtime make Metacontroller watch it (a related rule that matches it),
+    and the next sync of each parent renders the new runtime: no LLMService keeps a stale pod."""
+    old = h.runtime(labels={"engine": "vllm"})
+    new = h.runtime(labels={"engine": "vllm"}, image="vllm/vllm-openai:v0.9.0")
+    by_name = h.llmservice(name="by-name")
+    by_selector = h.llmservice(name="by-selector", runtime={"selector": {"matchLabels": {"engine": "vllm"}}})
+    for parent in (by_name, by_selector):
+        rules = [r for r in customize.customize({"parent": parent}, h.config())["relatedResources"]
+                 if r["resource"] == "inferenceruntimes"]
+        assert len(rules) == 1
+        rule = rules[0]
+        assert rule.get("names") == ["vllm-nvidia"] or rule["labelSelector"]["matchLabels"] == {"engine": "vllm"}
+        before = sync.sync(h.sync_request(parent, runtimes=[old]), h.config())
+        assert _backend_image(before) == "vllm/vllm-openai:v0.8.5"
+        observed = [h.as_observed(c, i) for i, c in enumerate(before["children"])]
+        after = sync.sync(h.sync_request(parent, runtimes=[new], children=observed), h.config())
+        assert _backend_image(after) == "vllm/vllm-openai:v0.9.0"
+        assert next(c for c in after["status"]["conditions"] if c["type"] == "RuntimeResolved")["status"] == "True"
