@@ -350,9 +350,7 @@ class GatewayApp:
                 resp = self._forward(environ, None, self._body_chunks(environ, length), length)
         except ConnectFailed:
             # Nothing sent: the backend is gone (scaled to zero). Become a cold request, keeping the slot.
-            self.pool.clear()
-            self.activation.backend_unreachable()
-            ticket.requeue()
+            self._backend_gone(ticket)
             return self._cold(environ, start_response, length, ticket=ticket, body=body)
         except (RequestBodyTooLarge, ClientBodyError) as exc:
             return self._reject_body(environ, start_response, ticket, exc)
@@ -364,6 +362,13 @@ class GatewayApp:
             ticket.release()
             raise
         return self._relay(start_response, resp, ticket)
+
+    def _backend_gone(self, ticket: Ticket) -> None:
+        """A connect failed before any byte was sent: drop pooled connections, mark the backend cold
+        (which starts or extends the lease) and put the request back in the queue, keeping its slot."""
+        self.pool.clear()
+        self.activation.backend_unreachable()
+        ticket.requeue()
 
     def _reject_body(
         self, environ: dict[str, Any], start_response: StartResponse, ticket: Ticket, exc: Exception,
@@ -457,9 +462,7 @@ class GatewayApp:
             try:
                 resp = self._forward(environ, body)
             except ConnectFailed:
-                self.pool.clear()
-                self.activation.backend_unreachable()
-                ticket.requeue()
+                self._backend_gone(ticket)
                 continue
             except UpstreamFailed as exc:
                 ticket.release()
@@ -476,9 +479,7 @@ class GatewayApp:
             try:
                 resp = self._forward(environ, body)
             except ConnectFailed:
-                self.pool.clear()
-                self.activation.backend_unreachable()
-                ticket.requeue()
+                self._backend_gone(ticket)
                 return cold.RETRY
             except UpstreamFailed:
                 return iter([sse_error_frame(ERRORS["backend_failure"])])
