@@ -265,7 +265,8 @@ class Cache(ApiModel):
 
     strategy: CacheStrategy = Field(
         default="NodeLocalPVC",
-        description="NodeLocalPVC (RWO claim on a node-local class), SharedPVC (one RWX claim shared by replicas), "
+        description="NodeLocalPVC (RWO claim on a node-local class; one node's cache, so with scaling.max > 1 the "
+        "extra replicas must fit on that node), SharedPVC (one RWX claim shared by replicas on any node), "
         "HostPath, None (download into an emptyDir every start), or BakedImage (reserved, not implemented).",
     )
     size: Quantity = Field(default="50Gi", description="Size of the cache claim.")

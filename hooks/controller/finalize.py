@@ -52,7 +52,8 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
             if backend_up or pods
             else "teardown complete"
         )
-    finalized = not gateway_up and not backend_up and not pods
+    # Without the related Pod group we cannot see draining Pods: never call that "done".
+    finalized = not gateway_up and not backend_up and not pods and observed.pods_observed
 
     previous = parent.get("status") if isinstance(parent.get("status"), dict) else {}
     conds: list[st.Cond] = []

@@ -74,6 +74,11 @@ class Observed:
     def live_pods(self) -> list[dict[str, Any]]:
         return self.related_objects(POD)
 
+    @property
+    def pods_observed(self) -> bool:
+        """False when the request carried no Pod group: "no pods" is then unknown, not zero."""
+        return has_group(self.related, POD)
+
     def secret_names(self) -> set[str] | None:
         """Names of the related Secrets, or None when the request carried no Secret group at all."""
         if not has_group(self.related, SECRET):

@@ -86,7 +86,9 @@ def pod_failures(pod: dict[str, Any]) -> list[tuple[Reason, str]]:
         last = cs.get("lastState") or {}
         waiting = (state.get("waiting") or {}).get("reason")
         terminated = (state.get("terminated") or {}).get("reason")
-        last_terminated = (last.get("terminated") or {}).get("reason")
+        # A past termination only matters while the container has not recovered: a ready container
+        # that was OOM-killed once (or restarted a few times) is serving, not failing.
+        last_terminated = None if cs.get("ready") else (last.get("terminated") or {}).get("reason")
         if waiting in IMAGE_PULL_REASONS:
             found.append((Reason.IMAGE_PULL_FAILED, f"pod {name} container {container}: {waiting} for image {cs.get('image', '')}"))
         elif "OOMKilled" in (terminated, last_terminated):

@@ -8,6 +8,7 @@ response omits) and a condition says why. Without KEDA's CRD the backend Deploym
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,7 +113,7 @@ def plan_children(
     """The desired children (appended to `out`) and the cache / autoscaling conditions."""
     name = ctx.name
     cache_plan = cache.plan(ctx)
-    if keda:
+    if keda and not cache_plan.blocks_backend:
         out.children.append(backend.deployment(ctx, cache_plan.mount))
     else:
         existing = observed_deployment(observed, names.backend(name))
@@ -152,6 +153,14 @@ def plan_children(
                         Reason.PROGRESSING,
                         f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with the first backend Pod)",
                     )
+    spec = ctx.service.spec
+    if spec.cache.strategy == "NodeLocalPVC" and spec.scaling.max > 1 and cache_cond.status != "False":
+        # Not an error (replica 1 is fine), but replicas 2..N share one node's claim: say so where users look.
+        cache_cond = dataclasses.replace(
+            cache_cond,
+            message=st.short(f"{cache_cond.message}; note: a NodeLocalPVC claim lives on one node, so extra "
+                             "replicas must fit on that node: use SharedPVC for scaling.max > 1"),
+        )
     out.put(cache_cond)
 
     out.children.append(gateway.deployment(ctx))

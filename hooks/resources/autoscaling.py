@@ -91,7 +91,10 @@ def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
                 "type": "prometheus",
                 "name": f"{trigger.signal.lower()}-{index}",
                 "metricType": "Value",
-                "metadata": {"serverAddress": trigger.server_address, "query": query, "threshold": trigger.threshold},
+                # activationThreshold = threshold: a leading signal only adds replicas (1→N); an idle
+                # gauge above 0 (KV cache with prefix caching) must not keep the model awake.
+                "metadata": {"serverAddress": trigger.server_address, "query": query, "threshold": trigger.threshold,
+                             "activationThreshold": trigger.threshold},
             }
         )
     obj = {

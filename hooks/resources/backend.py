@@ -27,6 +27,9 @@ def deployment(ctx: RenderContext, cache: pod.CacheMount) -> dict[str, Any]:
         "spec": {
             "selector": {"matchLabels": labels.selector(ctx.name, labels.BACKEND)},
             "progressDeadlineSeconds": deadline,
+            # Replace, never surge: a surge Pod needs a spare accelerator (and an RWO cache claim
+            # may be attached elsewhere). The gateway holds requests while the new Pod loads.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "revisionHistoryLimit": 3,
             "template": template,
         },

@@ -28,6 +28,9 @@ class CachePlan:
     status: str  # CacheReady status if nothing observed contradicts it
     reason: Reason
     message: str
+    # True while the backend could not find its weights at all (oci:// before staging exists):
+    # rendering it would only crash-loop on an accelerator.
+    blocks_backend: bool = False
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
@@ -52,8 +55,6 @@ def plan(ctx: RenderContext) -> CachePlan:
     pending: list[str] = []
     if cache.prewarm:
         pending.append("the prewarm Job")
-    if source.scheme == "oci":
-        pending.append("oci:// staging")
 
     if source.scheme == "pvc" and cache.strategy != "HostPath":
         # Pre-staged weights are mounted from their own claim; the cache only holds engine scratch.
@@ -69,12 +70,22 @@ def plan(ctx: RenderContext) -> CachePlan:
         pvc = claim(ctx)
         mount = CacheMount({"persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}})
         result = CachePlan(mount, pvc, "Unknown", Reason.PROGRESSING, f"claim {pvc['metadata']['name']} not bound yet")
+    if source.scheme == "oci":
+        return CachePlan(
+            result.mount,
+            result.claim,
+            "False",
+            Reason.NOT_IMPLEMENTED,
+            "oci:// staging is not implemented yet, and an engine cannot pull an OCI artifact itself: "
+            "no backend is created (an existing one is kept)",
+            blocks_backend=True,
+        )
     if pending:
         return CachePlan(
             result.mount,
             result.claim,
             "Unknown",
             Reason.NOT_IMPLEMENTED,
-            f"{' and '.join(pending)} is not implemented yet; serving Pods fetch weights themselves",
+            f"{' and '.join(pending)} is not implemented yet; serving Pods download the weights themselves",
         )
     return result

@@ -55,6 +55,8 @@ def restricted_pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,
             "runAsGroup": RUN_AS,
+            # Secret volumes are written root-owned; fsGroup makes their 0440 files readable to us.
+            "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "terminationGracePeriodSeconds": GATEWAY_TERMINATION_GRACE_SECONDS,

@@ -128,7 +128,7 @@ def test_status_replicas_come_from_the_backend_deployment_and_endpoint_is_fqdn()
         ([h.pod("p1", waiting="ErrImagePull")], "ImagePullFailed"),
         ([h.pod("p1", waiting="CrashLoopBackOff", restarts=5)], "CrashLoop"),
         ([h.pod("p1", waiting="CrashLoopBackOff", last_terminated="OOMKilled", restarts=2)], "OOMKilled"),
-        ([h.pod("p1", ready=True, last_terminated="Error", restarts=7)], "RepeatedTermination"),
+        ([h.pod("p1", last_terminated="Error", restarts=7)], "RepeatedTermination"),  # restarted, not ready again
         ([h.pod("p1", scheduled=False), h.pod("p2", waiting="ImagePullBackOff")], "ImagePullFailed"),  # worst wins
     ],
 )
@@ -137,6 +137,28 @@ def test_backend_failure_reasons(pods: list[dict], reason: str) -> None:
     answer = sync.sync(h.sync_request(h.llmservice(), children=observed, pods=pods), h.config())
     assert _cond(answer, "BackendReady")["reason"] == reason
     assert _cond(answer, "Ready")["reason"] == reason
+
+
+@pytest.mark.parametrize("pod", [h.pod("p1", ready=True, last_terminated="OOMKilled", restarts=1),
+                                 h.pod("p1", ready=True, last_terminated="Error", restarts=7)])
+def test_a_recovered_container_is_not_a_failure(pod: dict) -> None:
+    """A past OOM kill or restarts of a container that is ready again must not mark a serving model
+    not Ready until the Pod is replaced."""
+    _, observed = _running()
+    answer = sync.sync(h.sync_request(h.llmservice(), children=observed, pods=[pod]), h.config())
+    assert _cond(answer, "BackendReady")["reason"] == "Ready"
+    assert _cond(answer, "Ready")["status"] == "True"
+
+
+def test_finalize_never_reports_done_without_seeing_pods() -> None:
+    """A request without the related Pod group cannot show that backends finished draining."""
+    parent = h.llmservice()
+    parent["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    request = h.sync_request(parent, children=[], finalizing=True)
+    del request["related"]["Pod.v1"]
+    assert finalize.finalize(request, h.config())["finalized"] is False
+    request = h.sync_request(parent, children=[], finalizing=True)  # the group is there, and empty
+    assert finalize.finalize(request, h.config())["finalized"] is True
 
 
 def test_progress_deadline_from_the_deployment() -> None:
