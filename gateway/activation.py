@@ -51,6 +51,7 @@ class Activation:
             interval_cold=probe_interval, interval_warm=max(probe_interval, warm_probe_interval),
         )
         self.withdrawn = False
+        self.aborted = False  # set when the drain grace ends: every cold waiter answers at once
         self.last_demand = Demand()
         self._publish_failures = 0
 
@@ -90,7 +91,7 @@ class Activation:
                 else:
                     log.info("backend ready")
                 self.ready_event.set()
-            else:
+            elif not self.aborted:  # aborted waiters must stay awake to answer
                 self.ready_event.clear()
                 log.info("backend not ready", extra={"observation": result.value})
             self.metrics.backend_ready.set(1 if self.readiness.ready else 0)
@@ -125,6 +126,12 @@ class Activation:
             self._publish_failures += 1
             if self._publish_failures in (1, 10, 100) or self._publish_failures % 1000 == 0:
                 log.exception("demand publish failed", extra={"failures": self._publish_failures})
+
+    def abort_waiters(self) -> None:
+        """End every cold wait now (drain grace over): waiters answer 503 / an SSE error frame
+        instead of being cut off when the server stops."""
+        self.aborted = True
+        self.ready_event.set()  # wakes them; wait_ready checks `aborted` before anything else
 
     def withdraw(self) -> None:
         self.withdrawn = True

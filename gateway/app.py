@@ -452,6 +452,9 @@ class GatewayApp:
             if outcome is cold.WaitOutcome.TIMEOUT:
                 ticket.release()
                 return self._error(start_response, "activation_timeout")
+            if outcome is cold.WaitOutcome.ABORTED:
+                ticket.release()
+                return self._error(start_response, "draining")
             if outcome is cold.WaitOutcome.CLIENT_GONE:
                 ticket.release()
                 environ["noctaya.handler"].close_connection = True
@@ -485,12 +488,12 @@ class GatewayApp:
                 return iter([sse_error_frame(ERRORS["backend_failure"])])
             return _committed_stream_body(resp)
 
-        def on_timeout() -> None:
+        def on_give_up(kind: str) -> None:
             ticket.release()
-            self.metrics.reject("activation_timeout")
+            self.metrics.reject(kind)
 
         return cold.keepalive_stream(
-            self.activation, deadline, self.config.heartbeat_seconds, client_gone, attempt, on_timeout
+            self.activation, deadline, self.config.heartbeat_seconds, client_gone, attempt, on_give_up
         )
 
 

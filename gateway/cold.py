@@ -25,6 +25,7 @@ class WaitOutcome(enum.Enum):
     TIMEOUT = "timeout"
     PENDING = "pending"
     CLIENT_GONE = "client_gone"
+    ABORTED = "aborted"  # the drain grace ended: answer now, the process is about to stop
 
 
 class Retry:
@@ -37,6 +38,8 @@ RETRY = Retry()
 def wait_ready(activation: Activation, deadline: float, until: float) -> WaitOutcome:
     """Block this greenlet until the backend is ready, the deadline passes, or ``until``."""
     while True:
+        if activation.aborted:
+            return WaitOutcome.ABORTED
         if activation.ready:
             return WaitOutcome.READY
         now = activation.clock()
@@ -63,22 +66,24 @@ def keepalive_stream(
     heartbeat_seconds: float,
     client_gone: Callable[[], bool],
     attempt: Callable[[], Retry | Iterator[bytes]],
-    on_timeout: Callable[[], None],
+    on_give_up: Callable[[str], None],
 ) -> Iterator[bytes]:
     """Body of a committed ``200 text/event-stream`` response for a cold streamed request.
 
     Heartbeat comments until the backend is ready, then whatever ``attempt()`` relays (the
     backend's own stream, or an error frame). On the deadline: one ``event: error`` frame with
-    type ``activation_timeout`` and a clean end of the stream.
+    type ``activation_timeout`` and a clean end of the stream; when the drain grace ends first, one
+    ``gateway_draining`` error frame. ``on_give_up(error_kind)`` runs before either frame.
     """
     yield OPENING_COMMENT
     next_heartbeat = activation.clock() + heartbeat_seconds
     while True:
         now = activation.clock()
         outcome = wait_ready(activation, deadline, min(next_heartbeat, now + CHECK_INTERVAL))
-        if outcome is WaitOutcome.TIMEOUT:
-            on_timeout()
-            yield sse_error_frame(ERRORS["activation_timeout"])
+        if outcome in (WaitOutcome.TIMEOUT, WaitOutcome.ABORTED):
+            kind = "activation_timeout" if outcome is WaitOutcome.TIMEOUT else "draining"
+            on_give_up(kind)
+            yield sse_error_frame(ERRORS[kind])
             return
         if outcome is WaitOutcome.PENDING:
             if activation.clock() >= next_heartbeat:

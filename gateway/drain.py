@@ -25,6 +25,8 @@ __all__ = ["Drainer"]
 
 log = logging.getLogger("noctaya.gateway.drain")
 
+ABORT_WRITE_SECONDS = 1.0  # after the grace: time for aborted cold waiters to write their error
+
 
 class Drainer:
     def __init__(
@@ -66,6 +68,12 @@ class Drainer:
             self.unfinished = slots.total
             if self.unfinished:
                 log.warning("drain grace over with requests unfinished", extra={"unfinished": self.unfinished})
+                # Cold waiters get a bounded error rather than a cut connection; give them a moment
+                # to write it before the server stops.
+                app.activation.abort_waiters()
+                abort_deadline = self.clock() + ABORT_WRITE_SECONDS
+                while slots.queued > 0 and self.clock() < abort_deadline:
+                    gevent.sleep(self.poll)
             app.activation.withdraw()
             for step in self.after_withdraw:
                 try:

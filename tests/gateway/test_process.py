@@ -298,3 +298,42 @@ def test_scaler_child_never_outlives_a_killed_gateway(backend) -> None:
     gw.proc.kill()  # SIGKILL: no drain, no cleanup code runs in the gateway
     gw.proc.wait(10)
     wait_for(lambda: not pid_alive(child), timeout=20, what="scaler child exits when its pipe closes")
+
+
+def test_cold_waiters_get_a_bounded_error_when_the_drain_grace_ends(backend) -> None:
+    """Backend never started: after SIGTERM and the drain grace, a held request gets 503 JSON and
+    an open keepalive stream gets an SSE error event the openai client raises, never a cut connection."""
+    import openai
+
+    gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="1.5", NOCTAYA_HEARTBEAT_SECONDS="0.5")
+    try:
+        results: dict[str, object] = {}
+
+        def held() -> None:
+            resp = requests.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=30)
+            results["held"] = (resp.status_code, resp.headers.get("Content-Type"), resp.json())
+
+        def streamed() -> None:
+            client = openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=30)
+            try:
+                for _ in client.chat.completions.create(model="m", messages=MESSAGES, stream=True):
+                    pass
+                results["stream"] = "ended without error"
+            except openai.APIError as exc:
+                results["stream"] = str(exc)
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (held, streamed)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=2).json()["queued"] == 2,
+                 timeout=15, what="two cold waiters")
+        gw.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(20)
+        status, ctype, body = results["held"]
+        assert status == 503 and ctype.startswith("application/json")
+        assert body["error"]["code"] == "gateway_draining"
+        assert "shutting down" in str(results["stream"])
+        assert gw.proc.wait(20) == 0
+    finally:
+        gw.stop()
