@@ -82,6 +82,10 @@ class _Handler(WSGIHandler):
         return env
 
 
+class _HeldBytesExhausted(Exception):
+    """The gateway-wide budget for bodies held by waiting requests is spent (→ 429)."""
+
+
 def _abandon_input(environ: dict[str, Any]) -> None:
     """Answer without reading the rest of the body: close the connection instead of letting the
     server drain (possibly gigabytes of) unread input."""
@@ -260,9 +264,13 @@ class GatewayApp:
         qs = environ.get("QUERY_STRING")
         return self._base + environ.get("PATH_INFO", "/") + (f"?{qs}" if qs else "")
 
-    def _read_body(self, environ: dict[str, Any], length: int | None) -> bytes:
+    def _read_body(
+        self, environ: dict[str, Any], length: int | None, reserve: Callable[[int], bool] | None = None,
+    ) -> bytes:
         """Whole body, bounded (cold path: it has to wait somewhere). Raises RequestBodyTooLarge
-        or ClientBodyError."""
+        or ClientBodyError. A chunked body of unknown size reserves held bytes as they arrive
+        (``reserve``; _HeldBytesExhausted when the budget is spent), so a slow uploader holds only
+        what it has sent, not the whole body limit."""
         stream = environ["wsgi.input"]
         limit = self.config.max_body_bytes
         try:
@@ -282,6 +290,8 @@ class GatewayApp:
                 buf += chunk
                 if len(buf) > limit:
                     raise RequestBodyTooLarge()
+                if reserve is not None and not reserve(len(chunk)):
+                    raise _HeldBytesExhausted()
         except (OSError, ValueError) as exc:
             raise ClientBodyError() from exc
 
@@ -410,24 +420,25 @@ class GatewayApp:
             if ticket is None:
                 _abandon_input(environ)
                 return self._error(start_response, "queue_full", self._retry_after_429())
-        # Reserve the held body before reading it (its size is known, or bounded by the limit).
-        chunked = environ.get("HTTP_TRANSFER_ENCODING", "").lower() == "chunked"
+        # Reserve the held body before reading it when its size is known; a chunked body reserves
+        # chunk by chunk while it is read.
         if body is not None:
             reserve = len(body)
-        elif length is not None:
-            reserve = length
         else:
-            reserve = self.config.max_body_bytes if chunked else 0
+            reserve = length or 0
         if not ticket.reserve_bytes(reserve):
             ticket.release()
             _abandon_input(environ)
             return self._error(start_response, "queue_bytes_full", self._retry_after_429())
         try:
             if body is None:
-                body = self._read_body(environ, length)
+                body = self._read_body(environ, length, reserve=ticket.reserve_bytes if length is None else None)
+        except _HeldBytesExhausted:
+            ticket.release()
+            _abandon_input(environ)
+            return self._error(start_response, "queue_bytes_full", self._retry_after_429() + [("Connection", "close")])
         except (RequestBodyTooLarge, ClientBodyError) as exc:
             return self._reject_body(environ, start_response, ticket, exc)
-        ticket.trim_bytes(len(body))  # a chunked upload reserved the limit; keep what it used
         deadline = activation.cold_admission()
         client_gone = self._client_gone(environ)
         if is_stream_request(body):

@@ -195,6 +195,44 @@ def test_bodies_held_while_cold_are_bounded_in_bytes(backend, make_gateway) -> N
     assert 'noctaya_gateway_rejections_total{reason="queue_bytes_full"} 6.0' in text
 
 
+def test_slow_chunked_uploads_hold_only_what_they_sent(backend, make_gateway) -> None:
+    """A cold chunked upload reserves held bytes as they arrive, not the whole body limit: two
+    slow uploaders cannot make other cold requests 429 while the byte budget is nearly empty."""
+    gw = make_gateway(backend, max_queue=10, max_body_bytes=64 * 1024, max_held_body_bytes=128 * 1024)
+    slow = []
+    try:
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+            slow.append(sock)
+        wait_for(lambda: queue(gw)["queued"] == 2, timeout=10, what="two slow uploads admitted")
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(post, gw.port, BODY)
+            wait_for(lambda: queue(gw)["queued"] == 3, timeout=10, what="a normal cold request held, not refused")
+            backend.start()
+            status, _, _ = fut.result(timeout=30)
+        assert status == 200
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_a_chunked_upload_beyond_the_byte_budget_is_refused(backend, make_gateway) -> None:
+    gw = make_gateway(backend, max_queue=10, max_body_bytes=256 * 1024, max_held_body_bytes=16 * 1024)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        chunk = b"x" * 8192
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(9):  # 72 KiB: one full 64 KiB read, far beyond the 16 KiB budget
+                sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        except OSError:
+            pass  # the gateway may close as soon as it refuses
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 429") and b"queue_full" in reply
+    assert queue(gw)["queued"] == 0
+
+
 def test_a_failing_demand_sink_never_fails_client_requests(backend, make_gateway) -> None:
     from scaler.demand import DemandBroadcaster
 
