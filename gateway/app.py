@@ -10,11 +10,13 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 import gevent
 import gevent.pool
@@ -80,6 +82,17 @@ class _Handler(WSGIHandler):
         env["noctaya.socket"] = self.socket
         env["noctaya.handler"] = self
         return env
+
+
+_DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
+
+
+def _has_dot_segment(environ: dict[str, Any], path: str) -> bool:
+    """`/v1/../metrics` must not reach the backend: it forwards the raw URI, which a backend that
+    normalises paths would resolve outside /v1. Checked on the decoded path and on the raw one
+    (with %2e decoded), whose query string is not part of the path."""
+    raw = (environ.get("RAW_URI") or environ.get("REQUEST_URI") or "").split("?", 1)[0]
+    return bool(_DOT_SEGMENT.search(path) or _DOT_SEGMENT.search(unquote(raw)))
 
 
 class _HeldBytesExhausted(Exception):
@@ -203,7 +216,7 @@ class GatewayApp:
             return self._respond(start_response, 200, self.metrics.render(), CONTENT_TYPE_LATEST)
         if path == "/noctaya/queue":
             return self._respond(start_response, 200, self.queue_json())
-        if not (path == "/v1" or path.startswith("/v1/")):
+        if not (path == "/v1" or path.startswith("/v1/")) or _has_dot_segment(environ, path):
             return self._error(start_response, "not_found")
         if self.draining:
             _abandon_input(environ)

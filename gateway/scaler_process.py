@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import gevent
 
@@ -25,6 +26,7 @@ from scaler.pipe import encode_demand
 
 log = logging.getLogger("noctaya.gateway.scaler")
 
+HEALTHY_RUN_SECONDS = 60.0  # a child that ran this long resets the restart backoff
 RESEND_SECONDS = 1.0  # re-send even without a change: a restarted child learns the state at once
 MAX_BACKOFF_SECONDS = 5.0
 
@@ -72,6 +74,7 @@ class ScalerProcess:
     def _feed_forever(self) -> None:
         backoff = 0.25
         while not self._stopping:
+            started = time.monotonic()
             try:
                 self._feed_until_broken()
             except (BrokenPipeError, OSError, ValueError) as exc:  # ValueError: write to a closed pipe
@@ -81,6 +84,8 @@ class ScalerProcess:
             if self._stopping:
                 return
             self._reap()
+            if time.monotonic() - started >= HEALTHY_RUN_SECONDS:
+                backoff = 0.25  # a crash after a long healthy run is not a crash loop
             log.warning("scaler process exited; restarting", extra={"backoff_seconds": backoff})
             gevent.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)

@@ -67,6 +67,8 @@ class DemandReporter:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._session = requests.Session()
+        # In-cluster only: never send the report (and its token) through a pod's HTTP(S)_PROXY.
+        self._session.trust_env = False
         self._post_lock = threading.Lock()  # the session and seq belong to one sender at a time
         self._last_error_log = -1e18
         self.sent = 0

@@ -153,3 +153,17 @@ def test_client_disconnect_during_a_long_non_streamed_answer_frees_the_slot(back
     # The backend connection is hung up at once (not after the 30 s answer), freeing the slot.
     wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["inFlight"] == 0, timeout=15,
              what="slot released after client hang-up")
+
+
+@pytest.mark.parametrize("path", ["/v1/../metrics", "/v1/./models/../../admin", "/v1/%2e%2e/metrics",
+                                  "/v1/chat/%2E%2E/%2E%2E/x"])
+def test_dot_segments_never_reach_the_backend(backend, make_gateway, path: str) -> None:
+    backend.start()
+    gw = make_gateway(backend)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 404"), reply[:200]
+    assert all("/.." not in p and "%2e" not in p.lower() for _, p, _ in backend.requests)
