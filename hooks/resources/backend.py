@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hooks.resources import labels, names
-from hooks.resources.context import RenderContext
+from hooks.resources.context import RenderContext, tcp_port
 from hooks.runtime import pod
 
 # The default 600 s deadline is shorter than a cold start that pulls an image and loads a model.
@@ -38,19 +38,10 @@ def deployment(ctx: RenderContext, cache: pod.CacheMount) -> dict[str, Any]:
 
 def service(ctx: RenderContext) -> dict[str, Any]:
     spec = ctx.runtime.spec
-    ports = [{"name": pod.PORT_NAME, "port": spec.port, "targetPort": pod.PORT_NAME, "protocol": "TCP"}]
+    ports = [tcp_port(pod.PORT_NAME, spec.port)]
     if spec.metrics is not None and spec.metrics.port is not None and spec.metrics.port != spec.port:
-        ports.append({"name": pod.METRICS_PORT_NAME, "port": spec.metrics.port, "targetPort": pod.METRICS_PORT_NAME, "protocol": "TCP"})
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": ctx.metadata(names.backend(ctx.name), labels.BACKEND),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": labels.selector(ctx.name, labels.BACKEND),
-            "ports": ports,
-        },
-    }
+        ports.append(tcp_port(pod.METRICS_PORT_NAME, spec.metrics.port))
+    return ctx.service_object(names.backend(ctx.name), labels.BACKEND, labels.BACKEND, ports)
 
 
 def url(ctx: RenderContext) -> str:

@@ -37,6 +37,18 @@ class RenderContext:
             meta["annotations"] = dict(sorted(annotations.items()))
         return meta
 
+    def service_object(
+        self, name: str, component: str, selects: str, ports: list[dict[str, Any]],
+        *, service_type: str = "ClusterIP", annotations: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """A Service of this LLMService, labelled `component`, selecting the Pods of `selects`."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": self.metadata(name, component, annotations),
+            "spec": {"type": service_type, "selector": labels.selector(self.name, selects), "ports": ports},
+        }
+
     def seconds(self, duration: str) -> int:
         return int(duration_seconds(duration))
 
@@ -55,6 +67,11 @@ REPORT_PORT = 9091
 GATEWAY_PORT = 8080
 PUBLIC_PORT = 80
 METRIC_NAME = "noctaya-demand"
+
+
+def tcp_port(name: str, port: int, **extra: str) -> dict[str, Any]:
+    """A Service port whose targetPort is the container port of the same name."""
+    return {"name": name, "port": port, "targetPort": name, "protocol": "TCP", **extra}
 
 
 def endpoint_url(service: str, namespace: str, config: HookConfig) -> str:

@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from hooks.resources import backend, labels, names
-from hooks.resources.context import GATEWAY_PORT, METRIC_NAME, PUBLIC_PORT, REPORT_PORT, SCALER_GRPC_PORT, RenderContext
+from hooks.resources.context import (
+    GATEWAY_PORT,
+    METRIC_NAME,
+    PUBLIC_PORT,
+    REPORT_PORT,
+    SCALER_GRPC_PORT,
+    RenderContext,
+    tcp_port,
+)
 from hooks.runtime import pod
 
 CONTAINER_NAME = "gateway"
@@ -221,14 +229,6 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
 
 def public_service(ctx: RenderContext) -> dict[str, Any]:
     svc = ctx.service.spec.endpoint.service
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": ctx.metadata(names.public_service(ctx.name), labels.GATEWAY, svc.annotations),
-        "spec": {
-            "type": svc.type,
-            "selector": labels.selector(ctx.name, labels.GATEWAY),
-            # Only HTTP (OpenAI API and /metrics): the gRPC scaler is never exposed here.
-            "ports": [{"name": "http", "port": PUBLIC_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    # Only HTTP (OpenAI API and /metrics): the gRPC scaler is never exposed here.
+    return ctx.service_object(names.public_service(ctx.name), labels.GATEWAY, labels.GATEWAY,
+                              [tcp_port("http", PUBLIC_PORT)], service_type=svc.type, annotations=svc.annotations)

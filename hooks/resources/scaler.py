@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from hooks.resources import gateway, labels, names
-from hooks.resources.context import METRIC_NAME, REPORT_PORT, SCALER_GRPC_PORT, RenderContext
+from hooks.resources.context import METRIC_NAME, REPORT_PORT, SCALER_GRPC_PORT, RenderContext, tcp_port
 
 MAX_MEMBERS = 64
 MEMBER_TTL_SECONDS = 10
@@ -18,18 +18,13 @@ MAX_CONCURRENT_REPORTS = 16
 AGGREGATOR_RESOURCES = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
 
 
+def _grpc_port() -> dict[str, Any]:
+    return tcp_port("grpc", SCALER_GRPC_PORT, appProtocol="grpc")
+
+
 def service(ctx: RenderContext) -> dict[str, Any]:
     target = labels.AGGREGATOR if ctx.multi_gateway else labels.GATEWAY
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": ctx.metadata(names.scaler(ctx.name), labels.SCALER),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": labels.selector(ctx.name, target),
-            "ports": [{"name": "grpc", "port": SCALER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"}],
-        },
-    }
+    return ctx.service_object(names.scaler(ctx.name), labels.SCALER, target, [_grpc_port()])
 
 
 def _env(name: str, value: str | int) -> dict[str, str]:
@@ -91,16 +86,5 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
 
 
 def aggregator_service(ctx: RenderContext) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": ctx.metadata(names.aggregator(ctx.name), labels.AGGREGATOR),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": labels.selector(ctx.name, labels.AGGREGATOR),
-            "ports": [
-                {"name": "report", "port": REPORT_PORT, "targetPort": "report", "protocol": "TCP"},
-                {"name": "grpc", "port": SCALER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
-            ],
-        },
-    }
+    ports = [tcp_port("report", REPORT_PORT), _grpc_port()]
+    return ctx.service_object(names.aggregator(ctx.name), labels.AGGREGATOR, labels.AGGREGATOR, ports)
