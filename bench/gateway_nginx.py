@@ -72,7 +72,7 @@ def wait_listening(port: int, timeout: float = 10.0) -> None:
 
 
 class Nginx:
-    def __init__(self, binary: str, port: int, upstream: int | None = None) -> None:
+    def __init__(self, binary: str, port: int, upstream: int | None = None, cpu: int | None = None) -> None:
         self.prefix = tempfile.mkdtemp(prefix="noctaya-bench-nginx-")
         if upstream is None:
             body = STATIC.format(port=port, response=RESPONSE)
@@ -80,7 +80,8 @@ class Nginx:
             body = PROXY.format(port=port, upstream=upstream)
         conf = Path(self.prefix) / "nginx.conf"
         conf.write_text(_COMMON.format(prefix=self.prefix, body=body))
-        self.proc = subprocess.Popen([binary, "-p", self.prefix, "-c", str(conf)],
+        pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
+        self.proc = subprocess.Popen([*pin, binary, "-p", self.prefix, "-c", str(conf)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.port = port
         wait_listening(port)

@@ -1,7 +1,14 @@
-"""Ties the state objects together and publishes Demand on every transition.
+"""Ties the state objects together and records this worker's demand on every transition.
 
-One instance per gateway process, used only from that process's gevent hub thread (the
-broadcaster it publishes to is thread-safe, so a gRPC scaler in OS threads may read it).
+One instance per worker process, used only from that worker's gevent hub thread. The demand is
+written into the worker's row of the Pod's shared state (a few memory stores, no lock, no pipe);
+the Pod's demand sampler sums the rows for KEDA and is woken at once only when ``active`` flips
+(``gateway.state.pod``), so warm traffic (in-flight +1/-1 per request) costs no wake-up at all.
+
+The activation lease is per worker; the Pod's lease is their OR. That equals one Pod-wide lease:
+each cold admission extends a lease to ``max(deadline, now + activationTimeout)``, so the OR of the
+workers' leases is active exactly while the latest deadline (or ready grace) of any admission in the
+Pod has not passed.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ import gevent.event
 
 from gateway.metrics import GatewayMetrics
 from gateway.state.admission import AdmissionSlots
-from gateway.state.lease import ActivationLease, LeaseEnd
+from gateway.state.lease import ActivationLease, LeaseEnd, LeaseState
 from gateway.state.readiness import BackendReadiness, ProbeResult, ReadinessProber
-from scaler.demand import Demand, DemandBroadcaster
+from gateway.state.pod import LEASE_ACTIVE, PodState
+from scaler.demand import Demand
 
 __all__ = ["Activation"]
 
@@ -31,7 +39,6 @@ class Activation:
         max_held_bytes: int | None = None,
         activation_timeout: float,
         ready_grace: float,
-        broadcaster: DemandBroadcaster,
         metrics: GatewayMetrics,
         probe: Callable[[], ProbeResult],
         probe_interval: float,
@@ -39,9 +46,10 @@ class Activation:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock
-        self.broadcaster = broadcaster
         self.metrics = metrics
-        self.slots = AdmissionSlots(max_queue, on_change=self.publish, max_held_bytes=max_held_bytes)
+        self.pod: PodState = metrics.pod
+        self.row = metrics.row
+        self.slots = AdmissionSlots(max_queue, on_change=self.publish, max_held_bytes=max_held_bytes, pod=self.pod)
         self.lease = ActivationLease(activation_timeout, ready_grace)
         self.readiness = BackendReadiness()
         # Set while the backend is believed ready: waiters block on it (with their own deadline).
@@ -52,8 +60,6 @@ class Activation:
         )
         self.withdrawn = False
         self.aborted = False  # set when the drain grace ends: every cold waiter answers at once
-        self.last_demand = Demand()
-        self._publish_failures = 0
 
     # -- questions -------------------------------------------------------------------------
     @property
@@ -65,7 +71,12 @@ class Activation:
         return self.slots.total > 0 or self.lease.active
 
     def demand(self) -> Demand:
+        """This worker's demand."""
         return Demand(self.slots.queued, self.slots.in_flight, self.lease.active)
+
+    @property
+    def pod_lease_active(self) -> bool:
+        return self.pod.any(LEASE_ACTIVE)
 
     # -- transitions -----------------------------------------------------------------------
     def cold_admission(self) -> float:
@@ -73,7 +84,7 @@ class Activation:
         deadline = self.lease.cold_admission(self.clock())
         self.metrics.cold_requests.inc()
         self.publish()
-        self.prober.kick()
+        self.prober.hurry()
         return deadline
 
     def traffic(self) -> None:
@@ -94,13 +105,13 @@ class Activation:
             elif not self.aborted:  # aborted waiters must stay awake to answer
                 self.ready_event.clear()
                 log.info("backend not ready", extra={"observation": result.value})
-            self.metrics.backend_ready.set(1 if self.readiness.ready else 0)
+            self.metrics.set_backend_ready(self.readiness.ready)
         self.tick(now)
 
     def backend_unreachable(self) -> None:
         """The forwarder could not connect: the backend is cold, whatever the last probe said."""
         self.report_probe(ProbeResult.REFUSED)
-        self.prober.kick()
+        self.prober.hurry()
 
     def tick(self, now: float | None = None) -> None:
         end = self.lease.tick(self.clock() if now is None else now)
@@ -111,21 +122,13 @@ class Activation:
         self.publish()
 
     def publish(self) -> None:
-        """Push the current demand (the broadcaster ignores non-changes). After withdrawal
-        (graceful shutdown) the published demand stays zero."""
-        demand = Demand() if self.withdrawn else self.demand()
-        self.last_demand = demand
-        self.metrics.queue_depth.set(self.slots.queued)
-        self.metrics.in_flight.set(self.slots.in_flight)
-        self.metrics.lease_active.set(1 if self.lease.active else 0)
-        try:
-            self.broadcaster.publish(demand)
-        except Exception:
-            # The demand sink must never fail a client request; the stored value is what the
-            # scaler reads next, and its waiters wake at their next bounded wait slice anyway.
-            self._publish_failures += 1
-            if self._publish_failures in (1, 10, 100) or self._publish_failures % 1000 == 0:
-                log.exception("demand publish failed", extra={"failures": self._publish_failures})
+        """Record this worker's demand in its row. After withdrawal (graceful shutdown) it stays
+        zero. Runs on every slot transition: keep it a handful of stores."""
+        slots = self.slots
+        if self.withdrawn:
+            self.row.write_demand(0, 0, False)
+        else:
+            self.row.write_demand(slots._queued, slots._in_flight._count, self.lease.state is not LeaseState.IDLE)
 
     def abort_waiters(self) -> None:
         """End every cold wait now (drain grace over): waiters answer 503 / an SSE error frame

@@ -42,14 +42,14 @@ class KeyFileAuthenticator:
         self._warned = False
         return key
 
-    def check(self, authorization_header: str | None) -> bool:
+    def check(self, authorization_header: bytes | str | None) -> bool:
         """True when the header carries the current key. Fails closed on any file problem."""
         expected = self._expected_key()
         if expected is None or not authorization_header:
             return False
-        scheme, _, presented = authorization_header.partition(" ")
-        if scheme.lower() != "bearer":
+        if isinstance(authorization_header, str):
+            authorization_header = authorization_header.encode("latin-1", errors="replace")
+        scheme, _, presented = authorization_header.partition(b" ")
+        if scheme.lower() != b"bearer":
             return False
-        # WSGI headers are latin-1 decoded str; compare the original bytes.
-        presented_bytes = presented.strip().encode("latin-1", errors="replace")
-        return hmac.compare_digest(presented_bytes, expected)
+        return hmac.compare_digest(presented.strip(), expected)

@@ -1,21 +1,27 @@
 """Waiting for a cold backend: the keepalive SSE stream and the silent hold.
 
-Every wait here is bounded by the request's activation deadline, and checks every
-``CHECK_INTERVAL`` seconds whether the client has gone (so a slot is not held for a client that
-left; the lease - and with it the demand - stays, see gateway.activation).
+Every wait here is bounded by the request's activation deadline. A held request's connection has
+its hang-up watcher armed (``ClientConnection.arm_watch``), which wakes the wait the moment the
+client leaves, so a slot is not held for a client that left (the lease - and with it the demand -
+stays, see gateway.activation) and no held request polls its socket.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import gevent
 
 from gateway.activation import Activation
 from gateway.errors import ERRORS, sse_error_frame
 
+if TYPE_CHECKING:
+    from gateway.server import ClientConnection
+
 __all__ = ["WaitOutcome", "Retry", "wait_ready", "keepalive_stream", "HEARTBEAT", "OPENING_COMMENT"]
 
-CHECK_INTERVAL = 1.0  # client-gone check while waiting silently
 HEARTBEAT = b": heartbeat\n\n"
 OPENING_COMMENT = HEARTBEAT  # first bytes: commit 200 text/event-stream at once
 
@@ -35,36 +41,39 @@ class Retry:
 RETRY = Retry()
 
 
-def wait_ready(activation: Activation, deadline: float, until: float) -> WaitOutcome:
-    """Block this greenlet until the backend is ready, the deadline passes, or ``until``."""
+def wait_ready(activation: Activation, deadline: float, until: float,
+               conn: ClientConnection | None = None) -> WaitOutcome:
+    """Block this greenlet until the backend is ready, the deadline passes, ``until``, or the
+    client hangs up (when its watcher is armed)."""
     while True:
         if activation.aborted:
             return WaitOutcome.ABORTED
         if activation.ready:
             return WaitOutcome.READY
+        if conn is not None and conn.gone:
+            return WaitOutcome.CLIENT_GONE
         now = activation.clock()
         if now >= deadline:
             return WaitOutcome.TIMEOUT
         if now >= until:
             return WaitOutcome.PENDING
-        activation.ready_event.wait(min(deadline, until) - now)
+        wake = conn.wake if conn is not None else None
+        if wake is None:
+            activation.ready_event.wait(min(deadline, until) - now)
+        else:
+            gevent.wait([activation.ready_event, wake], timeout=min(deadline, until) - now, count=1)
 
 
-def hold_silently(activation: Activation, deadline: float, client_gone: Callable[[], bool]) -> WaitOutcome:
+def hold_silently(activation: Activation, deadline: float, conn: ClientConnection) -> WaitOutcome:
     """Non-streamed request: hold without sending anything until ready / timeout / client gone."""
-    while True:
-        outcome = wait_ready(activation, deadline, activation.clock() + CHECK_INTERVAL)
-        if outcome is not WaitOutcome.PENDING:
-            return outcome
-        if client_gone():
-            return WaitOutcome.CLIENT_GONE
+    return wait_ready(activation, deadline, deadline, conn)
 
 
 def keepalive_stream(
     activation: Activation,
     deadline: float,
     heartbeat_seconds: float,
-    client_gone: Callable[[], bool],
+    conn: ClientConnection,
     attempt: Callable[[], Retry | Iterator[bytes]],
     on_give_up: Callable[[str], None],
 ) -> Iterator[bytes]:
@@ -79,20 +88,19 @@ def keepalive_stream(
     next_heartbeat = activation.clock() + heartbeat_seconds
     while True:
         now = activation.clock()
-        outcome = wait_ready(activation, deadline, min(next_heartbeat, now + CHECK_INTERVAL))
+        outcome = wait_ready(activation, deadline, next_heartbeat, conn)
+        if outcome is WaitOutcome.CLIENT_GONE:
+            return
         if outcome in (WaitOutcome.TIMEOUT, WaitOutcome.ABORTED):
             kind = "activation_timeout" if outcome is WaitOutcome.TIMEOUT else "draining"
             on_give_up(kind)
             yield sse_error_frame(ERRORS[kind])
             return
         if outcome is WaitOutcome.PENDING:
-            if activation.clock() >= next_heartbeat:
-                # A failed write here raises in pywsgi, which closes this generator: the finally
-                # blocks of the caller release the slot.
-                yield HEARTBEAT
-                next_heartbeat = activation.clock() + heartbeat_seconds
-            elif client_gone():
-                return
+            # A failed write raises ClientGone in the caller, which closes this generator; the
+            # caller's finally block releases the slot.
+            yield HEARTBEAT
+            next_heartbeat = activation.clock() + heartbeat_seconds
             continue
         result = attempt()
         if isinstance(result, Retry):

@@ -56,6 +56,7 @@ class GatewayConfig:
     max_connections: int = 4096
     max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
+    gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
 
     @property
     def backend_host(self) -> str:
@@ -188,6 +189,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_connections": _pos_int,
     "max_held_body_bytes": _pos_int,
     "log_level": _choice("debug", "info", "warning", "error"),
+    "gateway_workers": _pos_int,
 }
 
 _HELP = {
@@ -197,6 +199,7 @@ _HELP = {
     "cold_mode": "keepalive (hold with SSE heartbeats) or reject (503 + Retry-After)",
     "auth_key_file": "client API key file (mounted Secret key), reread per request; unset = no auth",
     "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
+    "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
 }
 
 

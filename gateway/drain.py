@@ -1,11 +1,13 @@
-"""Graceful shutdown on SIGTERM.
+"""Graceful shutdown of one worker on SIGTERM (the supervisor forwards it to every worker).
 
 1. readiness (``/healthz``) turns 503 and new ``/v1`` requests get 503 ``gateway_draining``, so
    Kubernetes takes the Pod out of the Service while nothing new is accepted;
 2. requests already admitted (in flight or waiting) may finish within the drain grace;
-3. the demand is withdrawn (published as zero; report mode POSTs ``withdraw: true``) and the
-   scaler child process stops, ending its StreamIsActive streams with status OK;
+3. the worker's demand is withdrawn (its row reads zero) and the ``after_withdraw`` steps run;
 4. the HTTP server stops (closing whatever is left after the grace).
+
+Once every worker has drained, the supervisor withdraws the Pod's demand (report mode POSTs
+``withdraw: true``) and stops the scaler child process, ending its StreamIsActive streams with OK.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import gevent
 import gevent.event
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayServer
+    from gateway.server import GatewayServer
 
 __all__ = ["Drainer"]
 
@@ -54,7 +56,7 @@ class Drainer:
         self.started = True
         app = self.server.app
         app.draining = True
-        app.metrics.draining.set(1)
+        app.metrics.set_draining(True)
         log.info("draining", extra={"grace_seconds": self.grace, "admitted": app.activation.slots.total})
         gevent.spawn(self._run)
 

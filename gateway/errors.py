@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["REASONS", "GatewayError", "error_body", "sse_error_frame", "ERRORS"]
+__all__ = ["REASONS", "GatewayError", "error_body", "sse_error_frame", "ERRORS", "NO_RETRY"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,8 @@ REASONS = {
     401: "Unauthorized",
     404: "Not Found",
     413: "Payload Too Large",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
     429: "Too Many Requests",
     502: "Bad Gateway",
     503: "Service Unavailable",
@@ -45,6 +47,11 @@ ERRORS: dict[str, GatewayError] = {
         401, "invalid_request_error", "invalid_api_key", "Incorrect or missing API key."
     ),
     "not_found": GatewayError(404, "invalid_request_error", "not_found", "Unknown path."),
+    "model_not_found": GatewayError(404, "invalid_request_error", "model_not_found", "The model does not exist."),
+    "uri_too_long": GatewayError(414, "invalid_request_error", "uri_too_long", "Request target too long."),
+    "headers_too_large": GatewayError(
+        431, "invalid_request_error", "headers_too_large", "Request headers too large or too many."
+    ),
     "bad_request": GatewayError(400, "invalid_request_error", "bad_request", "Malformed request."),
     "too_large": GatewayError(
         413, "invalid_request_error", "request_too_large", "Request body exceeds the gateway's limit."
@@ -71,6 +78,11 @@ ERRORS: dict[str, GatewayError] = {
         "The model backend did not become ready before the activation timeout.",
     ),
 }
+
+
+# Answers where a client retry cannot help (the openai SDK retries 5xx unless told not to): an
+# activation that timed out already waited the whole timeout, a draining gateway is going away.
+NO_RETRY = frozenset({"activation_timeout", "draining"})
 
 
 def error_body(error: GatewayError) -> bytes:

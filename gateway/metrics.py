@@ -1,71 +1,159 @@
-"""Prometheus metrics of one gateway, on a private registry (several gateways can live in one
-test process). Labels are bounded enums only: status code, rejection reason - never a path,
-model name from the request, client address or key."""
+"""Prometheus metrics of one gateway Pod, summed over its worker processes.
+
+Each worker counts into its own row of the Pod's shared memory (``gateway.state.pod``): one
+float64 store per counter increment, no lock, no per-label dictionary, so counting costs the warm
+path almost nothing. ``/metrics``, served by whichever worker the scrape reaches, sums every row,
+so a scrape always sees the Pod's totals. Exposition uses prometheus-client's own families and
+text format. Labels are bounded enums only: status code, rejection reason - never a path, a model
+name from the request, a client address or a key.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["GatewayMetrics", "REJECTION_REASONS", "CONTENT_TYPE_LATEST"]
+from gateway.state.pod import BACKEND_READY, DRAINING, IN_FLIGHT, LEASE_ACTIVE, QUEUED, ROW_CELLS, PodState
+
+__all__ = ["GatewayMetrics", "REJECTION_REASONS", "CONTENT_TYPE_LATEST", "Counter", "Histogram"]
 
 REJECTION_REASONS = (
     "unauthorized", "queue_full", "queue_bytes_full", "cold_reject", "draining", "too_large", "activation_timeout",
 )
+ACTIVATION_BUCKETS = (1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900)
+TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# Cell offsets inside a worker's row (after the demand fields).
+_CODES = 8  # 600 cells: requests by status code 0..599 (0 = out of range)
+_REASONS = _CODES + 600
+_COLD = _REASONS + 16
+_ACTIVATION = _COLD + 8
+_TTFB = _ACTIVATION + len(ACTIVATION_BUCKETS) + 4
+_END = _TTFB + len(TTFB_BUCKETS) + 4
+assert _END <= ROW_CELLS
+
+
+class Counter:
+    """A counter cell of one worker's row."""
+
+    __slots__ = ("_cells", "_at")
+
+    def __init__(self, cells: memoryview, at: int) -> None:
+        self._cells = cells
+        self._at = at
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._cells[self._at] += amount
+
+    @property
+    def value(self) -> float:
+        return self._cells[self._at]
+
+
+class Histogram:
+    """Non-cumulative bucket cells + sum + count in one worker's row (cumulated at scrape)."""
+
+    __slots__ = ("_cells", "_at", "buckets")
+
+    def __init__(self, cells: memoryview, at: int, buckets: Sequence[float]) -> None:
+        self._cells = cells
+        self._at = at
+        self.buckets = tuple(buckets)
+
+    def observe(self, value: float) -> None:
+        cells, at = self._cells, self._at
+        cells[at + bisect_left(self.buckets, value)] += 1  # index len(buckets) is +Inf
+        n = len(self.buckets) + 1
+        cells[at + n] += value
+        cells[at + n + 1] += 1
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter(
-            "noctaya_gateway_requests", "Requests answered, by HTTP status code.", ["code"], registry=r
-        )
-        self.queue_depth = Gauge(
-            "noctaya_gateway_queue_depth", "Admitted requests waiting for the backend.", registry=r
-        )
-        self.in_flight = Gauge(
-            "noctaya_gateway_in_flight", "Requests being forwarded to the backend.", registry=r
-        )
-        self.cold_requests = Counter(
-            "noctaya_gateway_cold_requests", "Requests admitted while the backend was not ready.", registry=r
-        )
-        self.rejections = Counter(
-            "noctaya_gateway_rejections", "Requests refused by the gateway, by reason.", ["reason"], registry=r
-        )
-        self.activation_duration = Histogram(
-            "noctaya_gateway_activation_duration_seconds",
-            "From the start of an activation lease to backend readiness.",
-            buckets=(1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900),
-            registry=r,
-        )
-        self.ttfb = Histogram(
-            "noctaya_gateway_time_to_first_byte_seconds",
-            "From the start of forwarding to the backend's response head.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=r,
-        )
-        self.backend_ready = Gauge(
-            "noctaya_gateway_backend_ready", "1 when the backend answered its readiness path.", registry=r
-        )
-        self.lease_active = Gauge(
-            "noctaya_gateway_activation_lease_active", "1 while an activation lease runs.", registry=r
-        )
-        self.draining = Gauge("noctaya_gateway_draining", "1 after SIGTERM.", registry=r)
-        # Label children resolved once: the warm path must not pay a dict-of-labels lookup per call.
-        self._by_code: dict[int, Counter] = {}
-        self._by_reason = {reason: self.rejections.labels(reason=reason) for reason in REJECTION_REASONS}
+    """This worker's counters, plus a registry whose collector reports the Pod's totals."""
+
+    def __init__(self, pod: PodState | None = None, index: int = 0) -> None:
+        self.pod = pod if pod is not None else PodState(1, 1, None)
+        self.row = self.pod.row(index)
+        cells, base = self.pod.cells, self.row.base
+        self._cells = cells
+        self._codes = base + _CODES
+        self._reasons = {reason: Counter(cells, base + _REASONS + i) for i, reason in enumerate(REJECTION_REASONS)}
+        self.cold_requests = Counter(cells, base + _COLD)
+        self.activation_duration = Histogram(cells, base + _ACTIVATION, ACTIVATION_BUCKETS)
+        self.ttfb = Histogram(cells, base + _TTFB, TTFB_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_PodCollector(self.pod))
 
     def count_response(self, code: int) -> None:
-        child = self._by_code.get(code)
-        if child is None:
-            if not 100 <= code <= 599:
-                code = 0  # keep the label set bounded even if a backend misbehaves
-            child = self._by_code.setdefault(code, self.requests.labels(code=str(code)))
-        child.inc()
+        if not 100 <= code <= 599:
+            code = 0  # keep the label set bounded even if a backend misbehaves
+        self._cells[self._codes + code] += 1
 
     def reject(self, reason: str) -> None:
-        self._by_reason[reason].inc()
+        self._reasons[reason].inc()
+
+    def set_backend_ready(self, ready: bool) -> None:
+        self.row.set_flag(BACKEND_READY, ready)
+
+    def set_draining(self, draining: bool) -> None:
+        self.row.set_flag(DRAINING, draining)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PodCollector:
+    def __init__(self, pod: PodState) -> None:
+        self.pod = pod
+
+    def _sum(self, offset: int) -> float:
+        cells = self.pod.cells
+        return sum(cells[base + offset] for base in self.pod.rows())
+
+    def _histogram(self, name: str, doc: str, offset: int, buckets: Sequence[float]) -> HistogramMetricFamily:
+        counts = [self._sum(offset + i) for i in range(len(buckets) + 1)]
+        cumulative, running = [], 0.0
+        for bound, count in zip([*map(_fmt, buckets), "+Inf"], counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self._sum(offset + len(buckets) + 1))
+
+    def collect(self) -> Iterator[Metric]:
+        pod = self.pod
+        requests = CounterMetricFamily("noctaya_gateway_requests", "Requests answered, by HTTP status code.",
+                                       labels=["code"])
+        for code in range(600):
+            value = self._sum(_CODES + code)
+            if value:
+                requests.add_metric([str(code)], value)
+        yield requests
+        rejections = CounterMetricFamily("noctaya_gateway_rejections", "Requests refused by the gateway, by reason.",
+                                         labels=["reason"])
+        for i, reason in enumerate(REJECTION_REASONS):
+            rejections.add_metric([reason], self._sum(_REASONS + i))
+        yield rejections
+        yield CounterMetricFamily("noctaya_gateway_cold_requests", "Requests admitted while the backend was not ready.",
+                                  value=self._sum(_COLD))
+        yield GaugeMetricFamily("noctaya_gateway_queue_depth", "Admitted requests waiting for the backend.",
+                                value=pod.total(QUEUED))
+        yield GaugeMetricFamily("noctaya_gateway_in_flight", "Requests being forwarded to the backend.",
+                                value=pod.total(IN_FLIGHT))
+        yield GaugeMetricFamily("noctaya_gateway_backend_ready", "1 when the backend answered its readiness path.",
+                                value=1.0 if pod.any(BACKEND_READY) else 0.0)
+        yield GaugeMetricFamily("noctaya_gateway_activation_lease_active", "1 while an activation lease runs.",
+                                value=1.0 if pod.any(LEASE_ACTIVE) else 0.0)
+        yield GaugeMetricFamily("noctaya_gateway_draining", "1 after SIGTERM.", value=1.0 if pod.any(DRAINING) else 0.0)
+        yield GaugeMetricFamily("noctaya_gateway_workers", "Worker processes of this gateway Pod.", value=pod.workers)
+        yield self._histogram("noctaya_gateway_activation_duration_seconds",
+                              "From the start of an activation lease to backend readiness.",
+                              _ACTIVATION, ACTIVATION_BUCKETS)
+        yield self._histogram("noctaya_gateway_time_to_first_byte_seconds",
+                              "From the start of forwarding to the backend's response head.", _TTFB, TTFB_BUCKETS)
+
+
+def _fmt(bound: float) -> str:
+    return repr(float(bound))

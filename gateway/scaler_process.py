@@ -16,9 +16,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
-
-import gevent
 
 from gateway.config import GatewayConfig
 from scaler.demand import DemandBroadcaster
@@ -47,14 +46,15 @@ def scaler_command(config: GatewayConfig) -> list[str]:
 
 
 class ScalerProcess:
-    """Starts, feeds and supervises `python -m scaler local` (call from a gevent-patched process)."""
+    """Starts, feeds and supervises `python -m scaler local` from the gateway's supervisor (an OS
+    thread feeds the pipe)."""
 
     def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster) -> None:
         self._command = scaler_command(config)
         self._broadcaster = broadcaster
         self._proc: subprocess.Popen | None = None
         self._stopping = False
-        self._feeder: gevent.Greenlet | None = None
+        self._feeder: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -62,7 +62,8 @@ class ScalerProcess:
 
     def start(self) -> ScalerProcess:
         self._spawn()
-        self._feeder = gevent.spawn(self._feed_forever)
+        self._feeder = threading.Thread(target=self._feed_forever, name="noctaya-scaler-feeder", daemon=True)
+        self._feeder.start()
         return self
 
     def _spawn(self) -> None:
@@ -87,7 +88,7 @@ class ScalerProcess:
             if time.monotonic() - started >= HEALTHY_RUN_SECONDS:
                 backoff = 0.25  # a crash after a long healthy run is not a crash loop
             log.warning("scaler process exited; restarting", extra={"backoff_seconds": backoff})
-            gevent.sleep(backoff)
+            time.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
             if not self._stopping:
                 self._spawn()
@@ -130,4 +131,4 @@ class ScalerProcess:
             proc.kill()
             proc.wait()
         if self._feeder is not None:
-            self._feeder.kill(block=False)
+            self._feeder.join(2 * RESEND_SECONDS)

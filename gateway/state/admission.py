@@ -1,6 +1,7 @@
 """Bounded admission: queued (waiting for the backend) + in-flight requests <= max_queue, and the
 request bodies held by waiting requests <= max_held_bytes (maxQueue x 8 MiB bodies would otherwise
-be a lot of memory for a small gateway Pod).
+be a lot of memory for a small gateway Pod). Both bounds are the Pod's (``gateway.state.pod``):
+with several worker processes, their tickets come out of one shared semaphore and one byte budget.
 
 A request holds a :class:`Ticket` from admission to its end. The ticket moves
 QUEUED -> IN_FLIGHT (and back to QUEUED if a connect attempt found the backend gone before any
@@ -14,6 +15,7 @@ import enum
 from collections.abc import Callable
 
 from gateway.state.inflight import InFlightCounter
+from gateway.state.pod import PodState
 
 __all__ = ["AdmissionSlots", "Ticket", "TicketState"]
 
@@ -71,21 +73,27 @@ class Ticket:
         if self.held_bytes:
             self._slots._give_bytes(self.held_bytes)
             self.held_bytes = 0
-        if self.state is TicketState.QUEUED:
-            self._slots._move(queued=-1, in_flight=0)
-        elif self.state is TicketState.IN_FLIGHT:
-            self._slots._move(queued=0, in_flight=-1)
+        state = self.state
+        if state is TicketState.RELEASED:
+            return
         self.state = TicketState.RELEASED
+        if state is TicketState.QUEUED:
+            self._slots._move(queued=-1, in_flight=0)
+        else:
+            self._slots._move(queued=0, in_flight=-1)
+        self._slots.pod.give_slot()
 
 
 class AdmissionSlots:
-    """At most ``max_queue`` tickets exist at once, queued or in flight.
+    """At most ``max_queue`` tickets exist at once in the Pod, queued or in flight; ``queued`` and
+    ``in_flight`` count this worker's own.
 
     ``on_change`` runs after every count change (the gateway publishes demand from it).
     """
 
     def __init__(
         self, max_queue: int, on_change: Callable[[], None] | None = None, *, max_held_bytes: int | None = None,
+        pod: PodState | None = None,
     ) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
@@ -93,7 +101,8 @@ class AdmissionSlots:
             raise ValueError("max_held_bytes must be >= 1")
         self.max_queue = max_queue
         self.max_held_bytes = max_held_bytes
-        self.held_bytes = 0
+        self.pod = pod if pod is not None else PodState(1, max_queue, max_held_bytes)
+        self.held_bytes = 0  # this worker's share of the Pod's held bytes
         self._queued = 0
         self._in_flight = InFlightCounter()
         self._on_change = on_change
@@ -114,13 +123,9 @@ class AdmissionSlots:
     def total(self) -> int:
         return self._queued + self._in_flight.count
 
-    @property
-    def full(self) -> bool:
-        return self.total >= self.max_queue
-
     def try_admit(self, *, in_flight: bool) -> Ticket | None:
-        """A ticket (queued, or directly in flight on the warm path), or None when full."""
-        if self.full:
+        """A ticket (queued, or directly in flight on the warm path), or None when the Pod is full."""
+        if not self.pod.try_take_slot():
             return None
         if in_flight:
             self._move(queued=0, in_flight=+1)
@@ -129,17 +134,16 @@ class AdmissionSlots:
         return Ticket(self, TicketState.QUEUED)
 
     def _take_bytes(self, n: int) -> bool:
-        if n < 0:
-            raise ValueError("n must be >= 0")
-        if self.max_held_bytes is not None and self.held_bytes + n > self.max_held_bytes:
+        if not self.pod.try_take_bytes(n):
             return False
         self.held_bytes += n
         return True
 
     def _give_bytes(self, n: int) -> None:
-        self.held_bytes -= n
-        if self.held_bytes < 0:
+        if n > self.held_bytes:
             raise RuntimeError("held bytes would go negative")
+        self.held_bytes -= n
+        self.pod.give_bytes(n)
 
     def _move(self, *, queued: int, in_flight: int) -> None:
         self._queued += queued

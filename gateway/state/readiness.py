@@ -91,6 +91,7 @@ class ReadinessProber:
         self.probes_sent = 0
         self._wake = None  # gevent.event.Event, created in the hub thread that runs the loop
         self._stopped = False
+        self._parked = False
 
     def step(self) -> float | None:
         """One probe if wanted; returns the next delay, or None when it should park."""
@@ -102,12 +103,18 @@ class ReadinessProber:
         return self.interval_warm if self._is_ready() else self.interval_cold
 
     def kick(self) -> None:
+        """Wake a parked prober (cheap no-op while it runs: the warm path calls this per request)."""
+        if self._parked and self._wake is not None:
+            self._wake.set()
+
+    def hurry(self) -> None:
+        """Wake the prober even mid-wait (the backend was just found gone: probe on the cold cadence)."""
         if self._wake is not None:
             self._wake.set()
 
     def stop(self) -> None:
         self._stopped = True
-        self.kick()
+        self.hurry()
 
     def run(self) -> None:
         import time
@@ -122,7 +129,11 @@ class ReadinessProber:
                 self._wake.clear()
                 # Re-check after clear(): an admission between step() and clear() must not be lost.
                 if not self._stopped and not self._wanted():
-                    self._wake.wait()
+                    self._parked = True
+                    try:
+                        self._wake.wait()
+                    finally:
+                        self._parked = False
                 continue
             # Fixed cadence while wanted: a kick never adds a probe, it only lets a warm-cadence
             # wait shrink to the cold cadence when the forwarder just found the backend gone.

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.app import ThreadedGateway
+from tests.gateway.harness import ThreadedGateway
 from gateway.config import GatewayConfig
 from scaler.demand import DemandBroadcaster
 from tests.gateway.fakebackend import FakeBackend

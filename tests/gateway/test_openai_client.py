@@ -101,7 +101,7 @@ def test_reject_mode_answers_503_and_still_wakes_backend(backend, make_gateway) 
     assert resp.status_code == 503 and resp.headers["Retry-After"] == "10"
     assert resp.json()["error"]["code"] == "backend_activating"
     # The lease keeps demand up (this is what wakes the backend through KEDA) with no slot held.
-    demand = gw.broadcaster.current()
+    demand = wait_for(lambda: gw.broadcaster.current().lease_active and gw.broadcaster.current(), what="lease")
     assert demand.lease_active and demand.total == 0
     with pytest.raises(openai.InternalServerError):
         client(gw).chat.completions.create(model="m", messages=MESSAGES, stream=True)
@@ -141,7 +141,7 @@ def test_backend_scaled_to_zero_between_requests_turns_next_request_cold(backend
     start_later(backend, 1.0)
     out = c.chat.completions.create(model="m", messages=MESSAGES)  # refused -> held as cold -> served
     assert out.choices[0].message.content == EXPECTED
-    assert gw.call(lambda: gw.app.metrics.cold_requests._value.get()) >= 2
+    assert gw.call(lambda: gw.app.metrics.cold_requests.value) >= 2
 
 
 def test_metrics_cover_codes_cold_activation_ttfb_and_readiness(backend, make_gateway) -> None:

@@ -190,7 +190,7 @@ def test_error_bodies_are_openai_shaped() -> None:
     assert json.loads(frame.split(b"data: ", 1)[1])["error"]["type"] == "activation_timeout"
 
 
-def test_prober_kick_shortens_a_warm_wait_only_when_backend_went_cold() -> None:
+def test_prober_hurry_shortens_a_warm_wait_only_when_backend_went_cold() -> None:
     ready = {"v": True}
     probes: list[float] = []
 
@@ -205,11 +205,12 @@ def test_prober_kick_shortens_a_warm_wait_only_when_backend_went_cold() -> None:
         deadline = time.monotonic() + 10
         while not probes and time.monotonic() < deadline:
             gevent.sleep(0.01)
-        prober.kick()  # still ready: the 30 s warm wait is not cut short
+        prober.kick()  # warm traffic: the running prober is not even woken
+        prober.hurry()  # still ready: the 30 s warm wait is not cut short
         gevent.sleep(0.2)
         assert len(probes) == 1
         ready["v"] = False  # the forwarder found the backend gone
-        prober.kick()
+        prober.hurry()
         while len(probes) < 3 and time.monotonic() < deadline:
             gevent.sleep(0.01)
         assert len(probes) >= 3  # back on the cold cadence, not after 30 s

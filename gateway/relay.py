@@ -1,0 +1,295 @@
+"""The backend side of the data path: pooled keep-alive connections, sending one request, reading
+its response head, and relaying the body to the client as it arrives.
+
+Bodies are relayed piece by piece in both directions: whatever one socket read returns is framed
+for the client and written at once (SSE tokens are never held back); nothing is buffered beyond
+one read. Hop-by-hop headers are dropped both ways (``gateway.wire``).
+
+Replay safety: a request is retried only while *no byte* has been written to the backend, i.e.
+when connecting fails (:class:`ConnectFailed`). Reused pooled connections are checked for a
+half-closed peer before use (``recv(MSG_PEEK | MSG_DONTWAIT)``, valid for any descriptor number),
+and any failure after the first byte is :class:`UpstreamFailed`, never a retry.
+
+Timeouts: every blocking read and write runs under a deadline that the connection watchdog
+(``gateway.server``) enforces by shutting the socket down, so the fast path creates no timer.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket as std_socket
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import gevent.socket
+
+from gateway.state.readiness import ProbeResult
+from gateway.wire import ResponseHead, UpstreamParser, UpstreamProtocolError
+
+if TYPE_CHECKING:
+    from gateway.server import ClientConnection
+
+__all__ = [
+    "recv_waiting", "send_all", "ConnectFailed", "UpstreamFailed", "UpstreamConnection", "UpstreamPool", "send_request",
+    "read_response_head", "probe_readiness", "READ_CHUNK", "SMALL_BODY_BYTES", "socket_closed",
+]
+
+READ_CHUNK = 64 * 1024  # max bytes per read (and so per relayed piece)
+SMALL_BODY_BYTES = 64 * 1024  # a body this small is read whole and sent with the head in one write
+_PEEK = std_socket.MSG_PEEK | std_socket.MSG_DONTWAIT
+INF = float("inf")
+
+
+def recv_waiting(sock: gevent.socket.socket) -> bytes:
+    """Read when the answer is known not to be there yet (right after sending a request): wait for
+    readability first, then one ``recv`` - half the syscalls of try-then-wait."""
+    sock._wait(sock._read_event)  # gevent's own wait: parks this greenlet on the socket's io watcher
+    try:
+        return sock._sock.recv(READ_CHUNK)
+    except BlockingIOError:  # spurious wake-up
+        return sock.recv(READ_CHUNK)
+
+
+def send_all(sock: gevent.socket.socket, data: bytes) -> None:
+    """``sendall`` with one direct ``send`` first (a small answer always fits the socket buffer)."""
+    try:
+        sent = sock._sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+class ConnectFailed(Exception):
+    """No connection to the backend; nothing was sent, so the request may be retried."""
+
+    def __init__(self, refused: bool) -> None:
+        super().__init__("connection refused" if refused else "connect failed")
+        self.refused = refused
+
+
+class UpstreamFailed(Exception):
+    """The backend failed after bytes of the request reached it: answer 502, never replay."""
+
+
+def socket_closed(raw: std_socket.socket) -> bool:
+    """True when the peer closed (EOF) or the socket is broken. Pending bytes are not EOF.
+    ``raw`` is the OS-level socket: a non-blocking peek never waits and never uses select(),
+    so it works for descriptors >= 1024."""
+    try:
+        return raw.recv(1, _PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class UpstreamConnection:
+    """One keep-alive connection to the backend. ``deadline`` (monotonic) bounds the current
+    blocking operation; the watchdog shuts the socket down once it passes."""
+
+    __slots__ = ("sock", "raw", "parser", "deadline", "idle_timeout", "broken")
+
+    def __init__(self, sock: gevent.socket.socket, idle_timeout: float) -> None:
+        self.sock = sock
+        self.raw: std_socket.socket = sock._sock  # the OS socket under gevent's wrapper
+        self.parser = UpstreamParser()
+        self.deadline = INF
+        self.idle_timeout = idle_timeout
+        self.broken = False
+
+    def stale(self) -> bool:
+        """An idle pooled HTTP/1.1 connection has nothing to read: readable = closed or junk."""
+        try:
+            self.raw.recv(1, _PEEK)  # returned: EOF or stray bytes, either way unusable
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def abort(self) -> None:
+        """Unblock whoever waits on this socket (deadline passed or the client left); the backend
+        sees the connection end and stops generating."""
+        self.broken = True
+        try:
+            self.raw.shutdown(std_socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.broken = True
+        self.sock.close()
+
+
+class UpstreamPool:
+    """LIFO pool of idle keep-alive connections to one backend (at most ``max_idle``)."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout: float, idle_timeout: float,
+                 max_idle: int = 256) -> None:
+        self.host = host
+        self.port = port
+        self.connect_timeout = connect_timeout
+        self.idle_timeout = idle_timeout
+        self.max_idle = max_idle
+        self._idle: deque[UpstreamConnection] = deque()
+        self._closed = False
+
+    @property
+    def idle_count(self) -> int:
+        return len(self._idle)
+
+    def connect(self, timeout: float | None = None) -> UpstreamConnection:
+        """A new connection. Raises ConnectFailed."""
+        try:
+            sock = gevent.socket.create_connection((self.host, self.port), timeout=timeout or self.connect_timeout)
+        except ConnectionRefusedError:
+            raise ConnectFailed(refused=True) from None
+        except OSError:  # timeout, unreachable, DNS (gaierror is an OSError)
+            raise ConnectFailed(refused=False) from None
+        sock.settimeout(None)  # deadlines are the watchdog's job
+        try:
+            sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        return UpstreamConnection(sock, self.idle_timeout)
+
+    def acquire(self) -> UpstreamConnection:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            # Checked every time: a backend that just stopped (scale to zero) closes every pooled
+            # connection, and a request sent on one would fail after its bytes left (502, no replay).
+            if conn.stale():
+                conn.close()
+                continue
+            return conn
+        return self.connect()
+
+    def release(self, conn: UpstreamConnection) -> None:
+        if self._closed or conn.broken or len(self._idle) >= self.max_idle:
+            conn.close()
+        else:
+            conn.parser.reset()
+            conn.deadline = INF
+            self._idle.append(conn)
+
+    def clear(self) -> None:
+        """Drop idle connections (the backend went away; they are dead anyway)."""
+        while self._idle:
+            self._idle.pop().close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.clear()
+
+
+def _fail(conn: UpstreamConnection, what: str, exc: BaseException | None = None) -> UpstreamFailed:
+    conn.close()
+    detail = f"{what}: {type(exc).__name__}" if exc is not None else what
+    return UpstreamFailed(detail)
+
+
+def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"",
+                 rest: Iterable[bytes] | None = None, *, chunked: bool = False,
+                 clock: Callable[[], float]) -> None:
+    """Write the request head (+ the body bytes at hand) in one write, then the rest of a streamed
+    body. Raises UpstreamFailed; errors reading ``rest`` (the client's upload) propagate as they are
+    after the upstream connection is closed."""
+    sock = conn.sock
+    conn.deadline = clock() + conn.idle_timeout
+    try:
+        send_all(sock, head + body if body else head)
+        if rest is not None:
+            for piece in rest:
+                conn.deadline = clock() + conn.idle_timeout
+                send_all(sock, b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            if chunked:
+                send_all(sock, b"0\r\n\r\n")
+    except OSError as exc:
+        raise _fail(conn, "sending request", exc) from None
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        conn.deadline = INF
+
+
+def read_response_head(conn: UpstreamConnection, client: ClientConnection | None, *,
+                       clock: Callable[[], float]) -> ResponseHead:
+    """Block until the backend's response head arrived. While waiting, ``client`` is marked as
+    waiting on the backend, so the watchdog can arm a hang-up watcher for slow answers."""
+    parser = conn.parser
+    sock = conn.sock
+    if client is not None:
+        client.waiting_on = conn
+        client.waiting_since = clock()
+    conn.deadline = clock() + conn.idle_timeout
+    try:
+        while parser.head is None:
+            try:
+                data = recv_waiting(sock)
+            except OSError as exc:
+                raise _fail(conn, "reading response head", exc) from None
+            if not data:
+                raise _fail(conn, "backend closed before answering")
+            try:
+                parser.feed(data)
+            except UpstreamProtocolError as exc:
+                raise _fail(conn, "malformed response", exc) from None
+        return parser.head
+    finally:
+        conn.deadline = INF
+        if client is not None:
+            client.waiting_on = None
+            client.waiting_since = None
+
+
+def read_more(conn: UpstreamConnection, clock: Callable[[], float]) -> bool:
+    """Read and parse the next piece of the body; False at EOF."""
+    conn.deadline = clock() + conn.idle_timeout
+    try:
+        data = conn.sock.recv(READ_CHUNK)
+    except OSError as exc:
+        raise _fail(conn, "reading response body", exc) from None
+    finally:
+        conn.deadline = INF
+    if not data:
+        return False
+    try:
+        conn.parser.feed(data)
+    except UpstreamProtocolError as exc:
+        raise _fail(conn, "malformed response body", exc) from None
+    return True
+
+
+def probe_readiness(pool: UpstreamPool, path: str, host_header: str, timeout: float) -> ProbeResult:
+    """One GET of the readiness path on a fresh connection (never a pooled one: a probe must see
+    the Service as a new client would). Bounded by ``timeout`` per operation."""
+    try:
+        conn = pool.connect(timeout)
+    except ConnectFailed as exc:
+        return ProbeResult.REFUSED if exc.refused else ProbeResult.NOT_READY
+    sock = conn.sock
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(b"GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\nUser-Agent: noctaya-gateway-probe\r\n\r\n"
+                     % (path.encode("latin-1"), host_header.encode("latin-1")))
+        parser = conn.parser
+        received = 0
+        while parser.head is None:
+            data = sock.recv(4096)
+            received += len(data)
+            if not data or received > 64 * 1024:
+                return ProbeResult.NOT_READY
+            parser.feed(data)
+        return ProbeResult.READY if 200 <= parser.head.status < 300 else ProbeResult.NOT_READY
+    except (OSError, UpstreamProtocolError):
+        return ProbeResult.NOT_READY
+    finally:
+        conn.close()
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.EBADF)

@@ -1,0 +1,192 @@
+"""State shared by every worker process of one gateway Pod.
+
+Created once by the supervisor before it forks the workers (or by a test harness for one
+in-process worker), it holds the limits that are *per Pod, not per worker*:
+
+- ``slots``: a process-shared POSIX semaphore initialised to ``maxQueue``. Admission is
+  ``sem_trywait`` (an atomic decrement that fails at zero), release is ``sem_post``; neither
+  needs a lock, neither sleeps, and the count can never go below zero, so the workers together can
+  never admit more than ``maxQueue`` requests however their accepts interleave.
+- ``held bytes``: one shared integer under a process-shared lock (only cold requests with a body
+  touch it), so the held-body budget is one budget for the Pod.
+- ``rows``: one row of float64 cells per worker in an anonymous shared mapping. Each worker writes
+  only its own row (its queued / in-flight counts, lease and readiness flags, and its metric
+  counters), so writes need no lock; readers (``/noctaya/queue``, ``/metrics``, the demand
+  sampler feeding KEDA) sum the rows. A worker that dies has its row's tickets returned to the
+  semaphore by the supervisor (:meth:`PodState.reclaim`).
+- ``notify``: a semaphore a worker posts when its ``active`` flag flips, waking the demand sampler
+  at once; every other demand change is picked up by the sampler's periodic read (coalescing:
+  no pipe write per warm request).
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from scaler.demand import Demand
+
+__all__ = ["PodState", "Row", "DEMAND_FIELDS"]
+
+# Row layout: the demand fields first, then the metric cells (gateway.metrics decides their use).
+QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE = range(6)
+DEMAND_FIELDS = 6
+ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
+
+_ctx = multiprocessing.get_context("fork")
+
+
+class PodState:
+    def __init__(self, workers: int, max_queue: int, max_held_bytes: int | None) -> None:
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.workers = workers
+        self.max_queue = max_queue
+        self.max_held_bytes = max_held_bytes
+        self._slots = _ctx.Semaphore(max_queue)
+        self._bytes_lock = _ctx.Lock()
+        self.notify = _ctx.Semaphore(0)
+        # One extra row-sized area for Pod-wide scalars (held bytes).
+        self._map = mmap.mmap(-1, (workers + 1) * ROW_CELLS * 8)
+        self.cells = memoryview(self._map).cast("d")
+        self._pod = workers * ROW_CELLS
+
+    # -- admission (any worker) --------------------------------------------------------------
+    def try_take_slot(self) -> bool:
+        return self._slots.acquire(False)
+
+    def give_slot(self) -> None:
+        self._slots.release()
+
+    def try_take_bytes(self, n: int) -> bool:
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if n == 0:
+            return True
+        with self._bytes_lock:
+            held = self.cells[self._pod]
+            if self.max_held_bytes is not None and held + n > self.max_held_bytes:
+                return False
+            self.cells[self._pod] = held + n
+            return True
+
+    def give_bytes(self, n: int) -> None:
+        if n:
+            with self._bytes_lock:
+                self.cells[self._pod] -= n
+
+    @property
+    def held_bytes(self) -> int:
+        return int(self.cells[self._pod])
+
+    # -- rows -------------------------------------------------------------------------------
+    def row(self, index: int) -> Row:
+        if not 0 <= index < self.workers:
+            raise IndexError("no such worker")
+        return Row(self, index)
+
+    def rows(self) -> Iterator[int]:
+        """Base offsets of every worker's row."""
+        return iter(range(0, self.workers * ROW_CELLS, ROW_CELLS))
+
+    def total(self, field: int) -> float:
+        cells = self.cells
+        return sum(cells[base + field] for base in self.rows())
+
+    def any(self, field: int) -> bool:
+        cells = self.cells
+        return any(cells[base + field] for base in self.rows())
+
+    def demand(self) -> Demand:
+        """The Pod's demand: what KEDA sees, one figure for all workers."""
+        return Demand(int(self.total(QUEUED)), int(self.total(IN_FLIGHT)), self.any(LEASE_ACTIVE))
+
+    def reclaim(self, index: int) -> int:
+        """A worker died: return its tickets to the semaphore and clear its demand. Its metric
+        counters are kept (counters must not go backwards). Returns the tickets returned."""
+        base = index * ROW_CELLS
+        cells = self.cells
+        tickets = int(cells[base + QUEUED] + cells[base + IN_FLIGHT])
+        for _ in range(tickets):
+            self._slots.release()
+        for field in (QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, ALIVE):
+            cells[base + field] = 0.0
+        return tickets
+
+    def __getstate__(self) -> Any:  # shared by fork only
+        raise TypeError("PodState is shared by fork, not pickled")
+
+
+class Row:
+    """One worker's writable row."""
+
+    __slots__ = ("pod", "index", "base", "cells", "_last_active", "_notify")
+
+    def __init__(self, pod: PodState, index: int) -> None:
+        self.pod = pod
+        self.index = index
+        self.base = index * ROW_CELLS
+        self.cells = pod.cells
+        self._last_active = False
+        self._notify = pod.notify
+        self.cells[self.base + ALIVE] = 1.0
+
+    def write_demand(self, queued: int, in_flight: int, lease_active: bool) -> None:
+        """Record this worker's demand; wake the sampler only when ``active`` flips."""
+        cells, base = self.cells, self.base
+        cells[base + QUEUED] = queued
+        cells[base + IN_FLIGHT] = in_flight
+        cells[base + LEASE_ACTIVE] = 1.0 if lease_active else 0.0
+        active = lease_active or queued > 0 or in_flight > 0
+        if active is not self._last_active:
+            self._last_active = active
+            self._notify.release()
+
+    def set_flag(self, field: int, value: bool) -> None:
+        self.cells[self.base + field] = 1.0 if value else 0.0
+
+
+class DemandSampler:
+    """Publishes the Pod's summed demand to a broadcaster: at once when a worker's ``active``
+    flips, otherwise at most every ``interval`` seconds when the figure changed (the broadcaster
+    ignores equal values). Runs in an OS thread of the supervisor (or of a test harness)."""
+
+    def __init__(self, pod: PodState, broadcaster: Any, interval: float = 0.1) -> None:
+        self.pod = pod
+        self.broadcaster = broadcaster
+        self.interval = interval
+        self.withdrawn = False
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="noctaya-demand-sampler", daemon=True)
+
+    def start(self) -> DemandSampler:
+        self._thread.start()
+        return self
+
+    def publish_now(self) -> None:
+        demand = Demand() if self.withdrawn else self.pod.demand()
+        try:
+            self.broadcaster.publish(demand)
+        except Exception:  # a broken sink must never stop sampling; the next round retries
+            self.failures += 1
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.pod.notify.acquire(timeout=self.interval)
+            self.publish_now()
+
+    def withdraw(self) -> None:
+        """Graceful shutdown: the published demand is zero from now on."""
+        self.withdrawn = True
+        self.publish_now()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.pod.notify.release()
+        self._thread.join(5)

@@ -1,0 +1,304 @@
+"""HTTP/1.1 framing for the gateway, parsed in C by ``httptools`` (llhttp).
+
+Two small push parsers: :class:`ClientParser` turns bytes from a client into request heads and
+body pieces (pipelined requests queue up in order), :class:`UpstreamParser` does the same for one
+backend response. Neither owns a socket: the connection and relay modules read, feed and consume,
+so every read keeps its own timeout and every buffer stays bounded by one read.
+
+Limits enforced here (the parser itself has none): request target <= ``MAX_TARGET_BYTES`` (414),
+header count and total head size (431). Everything llhttp rejects - a bad request line, a header
+without a colon, a NUL in a value, a bad chunk size, an HTTP/2 preface - is a :class:`BadRequest`
+(400), answered by the gateway and never forwarded.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import httptools
+
+__all__ = [
+    "BadRequest", "RequestHead", "ClientParser", "ResponseHead", "UpstreamParser", "UpstreamProtocolError",
+    "HOP_BY_HOP", "MAX_TARGET_BYTES", "MAX_HEAD_BYTES", "MAX_HEADERS", "response_head", "connection_tokens",
+]
+
+MAX_TARGET_BYTES = 8 * 1024
+MAX_HEAD_BYTES = 32 * 1024
+MAX_HEADERS = 100
+
+# Headers that describe one hop, never forwarded in either direction (RFC 9110 §7.6.1).
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+    b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
+})
+
+
+_NOTHING: frozenset[bytes] = frozenset()
+
+
+class BadRequest(Exception):
+    """The client sent something that is not acceptable HTTP/1.1; ``status`` is 400, 414 or 431."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(code)
+        self.status = status
+        self.code = code
+
+
+class UpstreamProtocolError(Exception):
+    """The backend's response is not valid HTTP/1.1."""
+
+
+def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Lower-cased tokens of every ``Connection`` header (names of extra hop-by-hop headers)."""
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return frozenset(tokens)
+
+
+class RequestHead:
+    """One parsed request line + headers, as received (names keep their case)."""
+
+    __slots__ = ("method", "target", "version", "headers", "keep_alive", "content_length", "chunked",
+                 "expect_continue", "authorization", "host", "request_id", "has_connection")
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.target = b""
+        self.version = "1.1"
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+        self.content_length: int | None = None
+        self.chunked = False
+        self.expect_continue = False
+        self.authorization: bytes | None = None
+        self.host: bytes | None = None
+        self.request_id: bytes | None = None
+        self.has_connection = False  # a Connection header may name more hop-by-hop headers
+
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or bool(self.content_length)
+
+    @property
+    def path(self) -> str:
+        """The target's path (no query), latin-1 decoded; the query never leaves this object."""
+        return self.target.split(b"?", 1)[0].decode("latin-1")
+
+
+class ClientParser:
+    """Feeds client bytes to llhttp; yields ``("head", RequestHead)``, ``("body", bytes)`` and
+    ``("end", None)`` events in order. Call :meth:`feed` only when :attr:`events` is empty, so at
+    most one read's worth of data is ever buffered here."""
+
+    __slots__ = ("_parser", "events", "_head", "_head_bytes", "in_head", "_error")
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self.events: deque[tuple[str, Any]] = deque()
+        self._head: RequestHead | None = None
+        self._head_bytes = 0
+        self.in_head = False
+        self._error: BadRequest | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.in_head:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Upgrade/CONNECT are not proxied: the OpenAI API is plain request/response.
+            raise BadRequest(400, "bad_request") from None
+        except httptools.HttpParserCallbackError:
+            raise (self._error or BadRequest(400, "bad_request")) from None
+        except httptools.HttpParserError:
+            raise BadRequest(400, "bad_request") from None
+        if self.in_head and self._head_bytes > MAX_HEAD_BYTES:
+            raise BadRequest(431, "headers_too_large")
+
+    # -- llhttp callbacks ---------------------------------------------------------------------
+    def _fail(self, status: int, code: str) -> None:
+        self._error = BadRequest(status, code)
+        raise self._error
+
+    def on_message_begin(self) -> None:
+        self._head = RequestHead()
+        self._head_bytes = 0
+        self.in_head = True
+
+    def on_url(self, url: bytes) -> None:
+        head = self._head
+        assert head is not None
+        head.target += url
+        if len(head.target) > MAX_TARGET_BYTES:
+            self._fail(414, "uri_too_long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        head = self._head
+        assert head is not None
+        headers = head.headers
+        headers.append((name, value))
+        if len(headers) > MAX_HEADERS:
+            self._fail(431, "headers_too_large")
+        lower = name.lower()
+        if lower == b"content-length":
+            head.content_length = int(value)  # llhttp has validated the digits
+        elif lower == b"transfer-encoding":
+            head.chunked = value.strip().lower().endswith(b"chunked")
+        elif lower == b"expect":
+            head.expect_continue = value.strip().lower() == b"100-continue"
+        elif lower == b"authorization":
+            head.authorization = value
+        elif lower == b"host":
+            head.host = value
+        elif lower == b"x-request-id":
+            head.request_id = value
+        elif lower == b"connection":
+            head.has_connection = True
+
+    def on_headers_complete(self) -> None:
+        head = self._head
+        assert head is not None
+        parser = self._parser
+        head.method = parser.get_method()
+        head.version = parser.get_http_version()
+        head.keep_alive = parser.should_keep_alive()
+        if head.chunked:
+            head.content_length = None
+        self.in_head = False
+        self.events.append(("head", head))
+
+    def on_body(self, body: bytes) -> None:
+        self.events.append(("body", body))
+
+    def on_message_complete(self) -> None:
+        self.events.append(("end", None))
+        self._head = None
+
+
+class ResponseHead:
+    __slots__ = ("status", "reason", "headers", "keep_alive", "content_length", "chunked", "content_type",
+                 "request_id", "has_connection")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+        self.content_length: int | None = None
+        self.chunked = False
+        self.content_type = b""
+        self.request_id: bytes | None = None
+        self.has_connection = False
+
+    @property
+    def is_sse(self) -> bool:
+        return b"text/event-stream" in self.content_type
+
+    def end_to_end_headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers minus hop-by-hop ones, those ``Connection`` names, and the framing
+        (the gateway frames the body for its own client)."""
+        named = connection_tokens(self.headers) if self.has_connection else _NOTHING
+        return [(n, v) for n, v in self.headers
+                if (low := n.lower()) not in HOP_BY_HOP and low not in named and low != b"content-length"]
+
+
+class UpstreamParser:
+    """Parses one backend response at a time (informational 1xx heads are skipped)."""
+
+    __slots__ = ("_parser", "head", "body", "complete", "_pending", "max_head_bytes", "_head_bytes")
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.head: ResponseHead | None = None
+        self.body: list[bytes] = []
+        self.complete = False
+        self._pending: ResponseHead | None = None
+        self._head_bytes = 0
+
+    def feed(self, data: bytes) -> None:
+        if self.head is None:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES * 2:
+                raise UpstreamProtocolError("response head too large")
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise UpstreamProtocolError("unexpected upgrade") from None
+        except httptools.HttpParserError as exc:
+            raise UpstreamProtocolError(type(exc).__name__) from None
+
+    def on_message_begin(self) -> None:
+        self._pending = ResponseHead()
+
+    def on_status(self, reason: bytes) -> None:
+        assert self._pending is not None
+        self._pending.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        head = self._pending
+        assert head is not None
+        head.headers.append((name, value))
+        if len(head.headers) > MAX_HEADERS * 2:
+            raise UpstreamProtocolError("too many response headers")
+        lower = name.lower()
+        if lower == b"content-length":
+            head.content_length = int(value)
+        elif lower == b"transfer-encoding":
+            head.chunked = value.strip().lower().endswith(b"chunked")
+        elif lower == b"content-type":
+            head.content_type = value.lower()
+        elif lower == b"x-request-id":
+            head.request_id = value
+        elif lower == b"connection":
+            head.has_connection = True
+
+    def on_headers_complete(self) -> None:
+        head = self._pending
+        assert head is not None
+        head.status = self._parser.get_status_code()
+        head.keep_alive = self._parser.should_keep_alive()
+        if 100 <= head.status < 200:
+            self._pending = None  # informational: wait for the final head
+            return
+        if head.chunked:
+            head.content_length = None
+        self.head = head
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.head is not None:
+            self.complete = True
+
+    def reset(self) -> None:
+        """Ready for the next response on the same connection (llhttp keeps its own state)."""
+        self.head = None
+        self.body = []
+        self.complete = False
+        self._head_bytes = 0
+
+    def take_body(self) -> list[bytes]:
+        body, self.body = self.body, []
+        return body
+
+
+_REASONS = {
+    100: b"Continue", 200: b"OK", 204: b"No Content", 400: b"Bad Request", 401: b"Unauthorized",
+    404: b"Not Found", 413: b"Payload Too Large", 414: b"URI Too Long", 429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large", 499: b"Client Closed Request", 500: b"Internal Server Error",
+    502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
+}
+
+
+def response_head(status: int, headers: list[tuple[bytes, bytes]], reason: bytes | None = None,
+                  version: bytes = b"HTTP/1.1") -> bytes:
+    """Serialise a status line and headers (ending with the blank line)."""
+    lines = [b"%s %d %s" % (version, status, reason or _REASONS.get(status, b"Unknown"))]
+    lines += [name + b": " + value for name, value in headers]
+    lines.append(b"\r\n")
+    return b"\r\n".join(lines)

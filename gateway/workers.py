@@ -1,0 +1,250 @@
+"""``python -m gateway``: a supervisor and ``NOCTAYA_GATEWAY_WORKERS`` worker processes.
+
+The supervisor (this module, plain threads, no gevent) creates the Pod's shared state
+(``gateway.state.pod``), one ``SO_REUSEPORT`` listening socket per worker on the same port, and forks
+the workers; each worker runs its own gevent loop over its own socket (the kernel spreads new
+connections across them). The supervisor then owns everything that is one per Pod:
+
+- the demand sampler summing the workers' rows into one ``Demand`` for KEDA, feeding the scaler
+  child process (``local``) or the aggregator reporter (``report``);
+- restarts: a worker that dies has its tickets returned to the Pod's semaphore and is forked
+  again (with backoff), so a crash never leaks admission slots;
+- shutdown: SIGTERM is forwarded to every worker; each drains (``gateway.drain``); once all have
+  exited the Pod's demand is withdrawn, the scaler child stops, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket as std_socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.logs import configure_logging
+from gateway.server import listen_socket
+from gateway.state.pod import DemandSampler, PodState
+from scaler.demand import DemandBroadcaster
+
+__all__ = ["main", "default_workers", "run_worker"]
+
+log = logging.getLogger("noctaya.gateway")
+
+RESTART_BACKOFF_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0)
+KILL_MARGIN_SECONDS = 10.0  # after the drain grace: workers still alive are killed
+_PR_SET_PDEATHSIG = 1
+
+
+def default_workers(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The container's CPU limit in whole cores (cgroup v2 ``cpu.max``, else v1 quota), at least 1.
+    Without a limit: 1 (the gateway's CPU request is small; set the variable to use more)."""
+    try:
+        with open(os.path.join(cgroup_root, "cpu.max")) as fh:
+            quota, period = fh.read().split()[:2]
+        if quota != "max":
+            return max(1, int(quota) // int(period))
+        return 1
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us")) as fh:
+            quota_us = int(fh.read())
+        with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as fh:
+            period_us = int(fh.read())
+        if quota_us > 0:
+            return max(1, quota_us // period_us)
+    except (OSError, ValueError):
+        pass
+    return 1
+
+
+def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_socket.socket) -> int:
+    """Body of a forked worker: serve until SIGTERM has drained it."""
+    import gevent
+
+    from gateway.drain import Drainer
+    from gateway.routes import GatewayApp
+    from gateway.server import GatewayServer
+
+    gevent.reinit()
+    app = GatewayApp(config, pod=pod, worker=index)
+    server = GatewayServer(app, listener, max_connections=config.max_connections)
+    server.start()
+    drainer = Drainer(server, config.drain_grace_seconds)
+    gevent.signal_handler(signal.SIGTERM, drainer.begin)
+    gevent.signal_handler(signal.SIGINT, drainer.begin)
+    import gc
+
+    # Everything allocated so far lives for the whole process: keep it out of the cyclic GC's
+    # scans, so collections during traffic are short (they show up directly in tail latency).
+    gc.collect()
+    gc.freeze()
+    drainer.done.wait()
+    return 0
+
+
+class Supervisor:
+    def __init__(self, config: GatewayConfig, workers: int) -> None:
+        self.config = config
+        self.workers = workers
+        self.pod = PodState(workers, config.max_queue, config.max_held_body_bytes)
+        self.broadcaster = DemandBroadcaster()
+        self.pids: dict[int, int] = {}  # pid -> worker index
+        self.restarts = [0] * workers
+        self.draining = False
+        self._drain_started = 0.0
+        self._port = config.listen_port
+        self._parent = os.getpid()
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _listener(self) -> std_socket.socket:
+        sock = listen_socket(self.config.listen_host, self._port, reuse_port=True)
+        self._port = sock.getsockname()[1]  # an ephemeral port (0) is resolved once, then shared
+        return sock
+
+    def _fork(self, index: int, listener: std_socket.socket, others: Sequence[std_socket.socket] = ()) -> int:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        pid = os.fork()
+        if pid:
+            self.pids[pid] = index
+            return pid
+        code = 1
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _die_with_parent(self._parent)
+            for sock in others:
+                sock.close()
+            code = run_worker(self.config, self.pod, index, listener)
+        except BaseException as exc:  # noqa: BLE001 - the child must never return into the supervisor
+            log.error("worker failed", extra={"worker": index, "error": type(exc).__name__})
+        finally:
+            os._exit(code)
+
+    def start(self) -> None:
+        listeners = [self._listener() for _ in range(self.workers)]
+        for index, sock in enumerate(listeners):
+            self._fork(index, sock, [s for s in listeners if s is not sock])
+        for sock in listeners:
+            sock.close()
+        log.info("gateway listening", extra={"port": self._port, "workers": self.workers,
+                                             "backend": self.config.backend_netloc})
+
+    def _reap(self) -> None:
+        while self.pids:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            index = self.pids.pop(pid, None)
+            if index is None:
+                continue  # the scaler child is reaped by its own supervisor thread
+            returned = self.pod.reclaim(index)
+            if self.draining:
+                continue
+            code = os.waitstatus_to_exitcode(status)
+            log.error("worker exited; restarting",
+                      extra={"worker": index, "exit": code, "tickets_returned": returned})
+            delay = RESTART_BACKOFF_SECONDS[min(self.restarts[index], len(RESTART_BACKOFF_SECONDS) - 1)]
+            self.restarts[index] += 1
+            time.sleep(delay)
+            sock = self._listener()
+            self._fork(index, sock)
+            sock.close()  # the child has it; the supervisor must never hold a socket it does not accept on
+
+    def begin_drain(self, *_: object) -> None:
+        if self.draining:
+            return
+        self.draining = True
+        self._drain_started = time.monotonic()
+        log.info("draining", extra={"workers": len(self.pids)})
+        for pid in list(self.pids):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def run(self, shutdown_steps: list[Callable[[], None]], sampler: DemandSampler) -> int:
+        signal.signal(signal.SIGTERM, self.begin_drain)
+        signal.signal(signal.SIGINT, self.begin_drain)
+        kill_after = self.config.drain_grace_seconds + KILL_MARGIN_SECONDS
+        while True:
+            self._reap()
+            if self.draining:
+                if not self.pids:
+                    break
+                if time.monotonic() - self._drain_started > kill_after:
+                    for pid in list(self.pids):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+            time.sleep(0.05)
+        sampler.withdraw()
+        for step in shutdown_steps:
+            try:
+                step()
+            except Exception:  # one failing step must not keep the process alive
+                log.exception("shutdown step failed")
+        sampler.stop()
+        log.info("drained")
+        return 0
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker must not outlive a killed supervisor (it would hold the port with no scaler)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list[Callable[[], None]]:
+    """Start the demand sink of the configured scaler mode; returns its shutdown steps."""
+    if config.scaler_mode == "local":
+        from gateway.scaler_process import ScalerProcess
+
+        scaler = ScalerProcess(config, broadcaster).start()
+        return [lambda: scaler.stop(grace=5.0)]
+    if config.scaler_mode == "report":
+        from scaler.reporter import DemandReporter
+
+        assert config.aggregator_url and config.aggregator_token_file
+        reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, broadcaster).start()
+        return [lambda: reporter.stop(withdraw=True)]
+    return []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"gateway: configuration error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    workers = config.gateway_workers or default_workers()
+    supervisor = Supervisor(config, workers)
+    try:
+        supervisor.start()  # fork before any thread exists in this process
+    except OSError as exc:
+        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+        return 1
+    sampler = DemandSampler(supervisor.pod, supervisor.broadcaster).start()
+    try:
+        shutdown_steps = _start_scaler(config, supervisor.broadcaster)
+    except Exception as exc:
+        log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
+        supervisor.begin_drain()
+        shutdown_steps = []
+    return supervisor.run(shutdown_steps, sampler)
+

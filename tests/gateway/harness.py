@@ -1,0 +1,96 @@
+"""A gateway worker in its own OS thread and gevent hub, for tests and benchmarks that live in an
+unpatched process (the shipped entry point is ``python -m gateway``: a supervisor and forked
+workers). Interact over HTTP; read state via ``call()`` (runs in the hub thread)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import gevent
+
+from gateway.config import GatewayConfig
+from gateway.routes import GatewayApp
+from gateway.server import GatewayServer, listen_socket
+from gateway.state.pod import DemandSampler, PodState
+from scaler.demand import DemandBroadcaster
+
+__all__ = ["ThreadedGateway"]
+
+
+class ThreadedGateway:
+    def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster | None = None) -> None:
+        self.config = config
+        self.broadcaster = broadcaster or DemandBroadcaster()
+        self.pod = PodState(1, config.max_queue, config.max_held_body_bytes)
+        self.sampler = DemandSampler(self.pod, self.broadcaster, interval=0.05)
+        self._ready = threading.Event()
+        self._stop_requested = threading.Event()
+        self._error: BaseException | None = None
+        self.server: GatewayServer | None = None
+        self._hub: Any = None
+        self._thread = threading.Thread(target=self._run, name="gateway-hub", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._hub = gevent.get_hub()
+            app = GatewayApp(self.config, pod=self.pod)
+            listener = listen_socket(self.config.listen_host, self.config.listen_port, reuse_port=False)
+            self.server = GatewayServer(app, listener, max_connections=self.config.max_connections)
+            self.server.start()
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        while not self._stop_requested.is_set():
+            gevent.sleep(0.05)
+        self.server.stop(timeout=1.0)
+
+    def start(self, timeout: float = 10.0) -> ThreadedGateway:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("gateway did not start")
+        if self._error is not None:
+            raise self._error
+        self.sampler.start()
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def app(self) -> GatewayApp:
+        assert self.server is not None
+        return self.server.app
+
+    def call(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """Run ``fn`` in the hub thread and return its result."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = exc
+            done.set()
+
+        self._hub.loop.run_callback_threadsafe(run)
+        if not done.wait(timeout):
+            raise TimeoutError("hub call timed out")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def stop(self) -> None:
+        self._stop_requested.set()
+        self._thread.join(10)
+        self.sampler.stop()
