@@ -22,8 +22,8 @@ import gevent.event
 from gateway.metrics import GatewayMetrics
 from gateway.state.admission import AdmissionSlots
 from gateway.state.lease import ActivationLease, LeaseEnd, LeaseState
-from gateway.state.readiness import BackendReadiness, ProbeResult, ReadinessProber
 from gateway.state.pod import LEASE_ACTIVE, PodState
+from gateway.state.readiness import BackendReadiness, ProbeResult, ReadinessProber
 from scaler.demand import Demand
 
 __all__ = ["Activation"]

@@ -87,7 +87,6 @@ def keepalive_stream(
     yield OPENING_COMMENT
     next_heartbeat = activation.clock() + heartbeat_seconds
     while True:
-        now = activation.clock()
         outcome = wait_ready(activation, deadline, next_heartbeat, conn)
         if outcome is WaitOutcome.CLIENT_GONE:
             return

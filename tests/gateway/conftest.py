@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tests.gateway.harness import ThreadedGateway
 from gateway.config import GatewayConfig
 from scaler.demand import DemandBroadcaster
 from tests.gateway.fakebackend import FakeBackend
+from tests.gateway.harness import ThreadedGateway
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.01, what: str = "") -> Any:
