@@ -128,7 +128,7 @@ class Activation:
         if self.withdrawn:
             self.row.write_demand(0, 0, False)
         else:
-            self.row.write_demand(slots._queued, slots._in_flight._count, self.lease.state is not LeaseState.IDLE)
+            self.row.write_demand(slots._queued, slots._in_flight, self.lease.state is not LeaseState.IDLE)
 
     def abort_waiters(self) -> None:
         """End every cold wait now (drain grace over): waiters answer 503 / an SSE error frame

@@ -45,7 +45,7 @@ from gateway.server import (
 from gateway.state.admission import Ticket
 from gateway.state.pod import IN_FLIGHT, QUEUED, PodState
 from gateway.state.readiness import ProbeResult
-from gateway.wire import HOP_BY_HOP, BadRequest, RequestHead, ResponseHead, connection_tokens, response_head
+from gateway.wire import BadRequest, RequestHead, ResponseHead, connection_tokens, response_head
 
 __all__ = ["GatewayApp", "is_stream_request"]
 
@@ -54,9 +54,6 @@ log = logging.getLogger("noctaya.gateway")
 _DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
 _SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache"),
                 (b"X-Accel-Buffering", b"no")]
-# Request headers the gateway sets itself or that describe only the client's hop.
-_DROP_REQUEST = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-proto",
-                              b"x-forwarded-host", b"x-request-id"}
 
 
 def is_stream_request(body: bytes) -> bool:
@@ -238,21 +235,16 @@ class GatewayApp:
         names dropped, ``Host`` set to the backend, ``X-Forwarded-*`` and ``X-Request-Id`` set, and
         the client's ``Authorization`` dropped when it carried the gateway's own API key.
         ``body_length`` None = a chunked body follows."""
-        named = connection_tokens(head.headers) if head.has_connection else ()
-        drop_auth = self.auth is not None
         lines = [b"%s %s%s HTTP/1.1" % (head.method, self._base, head.target), b"Host: " + self._host]
-        forwarded_for = conn.peer.encode()
-        for name, value in head.headers:
-            low = name.lower()
-            if low in _DROP_REQUEST or low in named:
-                if low == b"x-forwarded-for":
-                    forwarded_for = value + b", " + forwarded_for if forwarded_for else value
-                continue
-            if low == b"authorization" and drop_auth:
-                continue
-            lines.append(name + b": " + value)
-        if forwarded_for:
-            lines.append(b"X-Forwarded-For: " + forwarded_for)
+        if head.has_connection:  # rare: the client named extra hop-by-hop headers
+            named = connection_tokens(head.headers)
+            lines += [line for line in head.forward if line.split(b":", 1)[0].lower() not in named]
+        else:
+            lines += head.forward
+        if head.authorization is not None and self.auth is None:
+            lines.append(b"Authorization: " + head.authorization)
+        peer = conn.peer_bytes
+        lines.append(b"X-Forwarded-For: " + (head.forwarded_for + b", " + peer if head.forwarded_for else peer))
         lines.append(b"X-Forwarded-Proto: http")
         if head.host:
             lines.append(b"X-Forwarded-Host: " + head.host)
@@ -261,7 +253,8 @@ class GatewayApp:
             lines.append(b"Transfer-Encoding: chunked")
         elif body_length or head.method in (b"POST", b"PUT", b"PATCH"):
             lines.append(b"Content-Length: %d" % body_length)
-        return b"\r\n".join(lines) + b"\r\n\r\n"
+        lines.append(b"\r\n")
+        return b"\r\n".join(lines)
 
     def _forward(self, conn: ClientConnection, head: RequestHead, body: bytes | None,
                  upstream: UpstreamConnection) -> ResponseHead:

@@ -54,11 +54,17 @@ class RequestBodyTooLarge(Exception):
 
 
 _ids = itertools.count(1)
-_ID_PREFIX = os.urandom(4).hex()
+_ID_PREFIX = os.urandom(4).hex().encode()
 
 
 def new_request_id() -> bytes:
-    return b"%s-%x" % (_ID_PREFIX.encode(), next(_ids))
+    """Unique per process (random prefix, re-drawn in each forked worker) and cheap."""
+    return b"%s-%x" % (_ID_PREFIX, next(_ids))
+
+
+def reseed_request_ids() -> None:
+    global _ID_PREFIX
+    _ID_PREFIX = os.urandom(4).hex().encode()
 
 
 def clean_request_id(value: bytes | None) -> bytes:
@@ -71,7 +77,7 @@ def clean_request_id(value: bytes | None) -> bytes:
 class ClientConnection:
     """One client socket, its parser and its deadlines."""
 
-    __slots__ = ("sock", "raw", "peer", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
+    __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
                  "waiting_since", "upstream", "_watch", "gone", "wake", "message_done", "request_id",
                  "version", "hub", "__weakref__")
 
@@ -80,6 +86,7 @@ class ClientConnection:
         self.sock = sock
         self.raw: std_socket.socket = sock._sock
         self.peer = peer
+        self.peer_bytes = peer.encode()
         self.parser = ClientParser()
         self.deadline = INF
         self.idle_timeout = idle_timeout
@@ -147,6 +154,15 @@ class ClientConnection:
     def read_body(self, limit: int, reserve: Callable[[int], bool] | None = None) -> bytes:
         """The whole body (bounded by ``limit``). ``reserve(n)`` is asked for each piece's bytes as
         it arrives; False raises HeldBytesExhausted."""
+        events = self.parser.events
+        if reserve is None and len(events) >= 2 and events[0][0] == "body" and events[1][0] == "end":
+            # The usual small request: head and body arrived in one read.
+            piece = events.popleft()[1]
+            events.popleft()
+            if len(piece) > limit:
+                raise RequestBodyTooLarge()
+            self.message_done = True
+            return piece
         parts = []
         for piece in self.body_pieces(limit):
             if reserve is not None and not reserve(len(piece)):

@@ -35,6 +35,14 @@ HOP_BY_HOP = frozenset({
 
 
 _NOTHING: frozenset[bytes] = frozenset()
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})  # names no header beyond the hop-by-hop set
+
+
+# Request headers the gateway reads, sets itself, or that describe only the client's hop: never
+# forwarded as they are (Authorization is forwarded or not by the caller: see gateway.routes).
+_NOT_RELAYED = HOP_BY_HOP | {b"content-length"}  # the gateway frames the body for its own client
+_NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-proto",
+                               b"x-forwarded-host", b"x-request-id", b"authorization"}
 
 
 class BadRequest(Exception):
@@ -63,7 +71,8 @@ class RequestHead:
     """One parsed request line + headers, as received (names keep their case)."""
 
     __slots__ = ("method", "target", "version", "headers", "keep_alive", "content_length", "chunked",
-                 "expect_continue", "authorization", "host", "request_id", "has_connection")
+                 "expect_continue", "authorization", "host", "request_id", "has_connection", "forward",
+                 "forwarded_for")
 
     def __init__(self) -> None:
         self.method = b""
@@ -78,6 +87,9 @@ class RequestHead:
         self.host: bytes | None = None
         self.request_id: bytes | None = None
         self.has_connection = False  # a Connection header may name more hop-by-hop headers
+        # ``Name: value`` lines to forward as they are (filtered once, while parsing).
+        self.forward: list[bytes] = []
+        self.forwarded_for: bytes | None = None
 
     @property
     def has_body(self) -> bool:
@@ -144,6 +156,9 @@ class ClientParser:
         if len(headers) > MAX_HEADERS:
             self._fail(431, "headers_too_large")
         lower = name.lower()
+        if lower not in _NOT_FORWARDED:
+            head.forward.append(name + b": " + value)
+            return
         if lower == b"content-length":
             head.content_length = int(value)  # llhttp has validated the digits
         elif lower == b"transfer-encoding":
@@ -156,8 +171,10 @@ class ClientParser:
             head.host = value
         elif lower == b"x-request-id":
             head.request_id = value
-        elif lower == b"connection":
+        elif lower == b"connection" and value.lower() not in _PLAIN_CONNECTION:
             head.has_connection = True
+        elif lower == b"x-forwarded-for":
+            head.forwarded_for = value if head.forwarded_for is None else head.forwarded_for + b", " + value
 
     def on_headers_complete(self) -> None:
         head = self._head
@@ -181,7 +198,7 @@ class ClientParser:
 
 class ResponseHead:
     __slots__ = ("status", "reason", "headers", "keep_alive", "content_length", "chunked", "content_type",
-                 "request_id", "has_connection")
+                 "request_id", "has_connection", "kept")
 
     def __init__(self) -> None:
         self.status = 0
@@ -193,6 +210,7 @@ class ResponseHead:
         self.content_type = b""
         self.request_id: bytes | None = None
         self.has_connection = False
+        self.kept: list[tuple[bytes, bytes]] = []  # end-to-end headers, filtered while parsing
 
     @property
     def is_sse(self) -> bool:
@@ -201,9 +219,10 @@ class ResponseHead:
     def end_to_end_headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers minus hop-by-hop ones, those ``Connection`` names, and the framing
         (the gateway frames the body for its own client)."""
-        named = connection_tokens(self.headers) if self.has_connection else _NOTHING
-        return [(n, v) for n, v in self.headers
-                if (low := n.lower()) not in HOP_BY_HOP and low not in named and low != b"content-length"]
+        if not self.has_connection:
+            return list(self.kept)
+        named = connection_tokens(self.headers)
+        return [(n, v) for n, v in self.kept if n.lower() not in named]
 
 
 class UpstreamParser:
@@ -245,15 +264,18 @@ class UpstreamParser:
         if len(head.headers) > MAX_HEADERS * 2:
             raise UpstreamProtocolError("too many response headers")
         lower = name.lower()
+        if lower not in _NOT_RELAYED:
+            head.kept.append((name, value))
+            if lower == b"content-type":
+                head.content_type = value.lower()
+            elif lower == b"x-request-id":
+                head.request_id = value
+            return
         if lower == b"content-length":
             head.content_length = int(value)
         elif lower == b"transfer-encoding":
             head.chunked = value.strip().lower().endswith(b"chunked")
-        elif lower == b"content-type":
-            head.content_type = value.lower()
-        elif lower == b"x-request-id":
-            head.request_id = value
-        elif lower == b"connection":
+        elif lower == b"connection" and value.lower() not in _PLAIN_CONNECTION:
             head.has_connection = True
 
     def on_headers_complete(self) -> None:

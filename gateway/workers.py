@@ -68,9 +68,10 @@ def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_s
 
     from gateway.drain import Drainer
     from gateway.routes import GatewayApp
-    from gateway.server import GatewayServer
+    from gateway.server import GatewayServer, reseed_request_ids
 
     gevent.reinit()
+    reseed_request_ids()  # forked workers must not hand out the same ids
     app = GatewayApp(config, pod=pod, worker=index)
     server = GatewayServer(app, listener, max_connections=config.max_connections)
     server.start()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from gateway.state.inflight import InFlightCounter
 from gateway.state.pod import PodState
 
 __all__ = ["AdmissionSlots", "Ticket", "TicketState"]
@@ -104,7 +103,8 @@ class AdmissionSlots:
         self.pod = pod if pod is not None else PodState(1, max_queue, max_held_bytes)
         self.held_bytes = 0  # this worker's share of the Pod's held bytes
         self._queued = 0
-        self._in_flight = InFlightCounter()
+        self._in_flight = 0
+        self.peak_in_flight = 0  # diagnostics
         self._on_change = on_change
 
     @property
@@ -113,15 +113,11 @@ class AdmissionSlots:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight.count
-
-    @property
-    def in_flight_counter(self) -> InFlightCounter:
         return self._in_flight
 
     @property
     def total(self) -> int:
-        return self._queued + self._in_flight.count
+        return self._queued + self._in_flight
 
     def try_admit(self, *, in_flight: bool) -> Ticket | None:
         """A ticket (queued, or directly in flight on the warm path), or None when the Pod is full."""
@@ -146,12 +142,14 @@ class AdmissionSlots:
         self.pod.give_bytes(n)
 
     def _move(self, *, queued: int, in_flight: int) -> None:
-        self._queued += queued
-        if self._queued < 0:
-            raise RuntimeError("queued count would go negative")
-        if in_flight > 0:
-            self._in_flight.increment()
-        elif in_flight < 0:
-            self._in_flight.decrement()
+        # On every request, twice: plain int updates, then the demand record (one call).
+        q = self._queued + queued
+        f = self._in_flight + in_flight
+        if q < 0 or f < 0:
+            raise RuntimeError("queued or in-flight count would go negative")
+        self._queued = q
+        self._in_flight = f
+        if f > self.peak_in_flight:
+            self.peak_in_flight = f
         if self._on_change is not None:
             self._on_change()

@@ -47,7 +47,7 @@ def test_admission_flood_never_exceeds_bound() -> None:
     assert len(admitted) == 100 and slots.total == 100
     for t in admitted:
         t.release()
-    assert slots.total == 0 and slots.in_flight_counter.peak == 50
+    assert slots.total == 0 and slots.peak_in_flight == 50
 
 
 # -- lease ---------------------------------------------------------------------------------------
