@@ -194,6 +194,7 @@ class GatewayApp:
             "maxQueue": pod.max_queue,
             "heldBytes": pod.held_bytes,
             "workers": pod.workers,
+            "perWorker": pod.per_worker(),
             "lease": {
                 "state": lease.state.value,
                 "active": demand.lease_active,

@@ -129,6 +129,8 @@ class ClientConnection:
             raise BadRequest(400, "bad_request")
         self.message_done = False
         self.version = head.version
+        if not head.has_body:
+            self.finish_message()  # its end is already parsed: answers need not close the connection
         return head
 
     def body_pieces(self, limit: int | None = None) -> Iterator[bytes]:

@@ -106,7 +106,7 @@ class ClientParser:
     ``("end", None)`` events in order. Call :meth:`feed` only when :attr:`events` is empty, so at
     most one read's worth of data is ever buffered here."""
 
-    __slots__ = ("_parser", "events", "_head", "_head_bytes", "in_head", "_error")
+    __slots__ = ("_parser", "events", "_head", "_head_bytes", "in_head", "_error", "_header_bytes")
 
     def __init__(self) -> None:
         self._parser = httptools.HttpRequestParser(self)
@@ -115,6 +115,7 @@ class ClientParser:
         self._head_bytes = 0
         self.in_head = False
         self._error: BadRequest | None = None
+        self._header_bytes = 0
 
     def feed(self, data: bytes) -> None:
         if self.in_head:
@@ -140,6 +141,7 @@ class ClientParser:
         self._head = RequestHead()
         self._head_bytes = 0
         self.in_head = True
+        self._header_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         head = self._head
@@ -153,7 +155,8 @@ class ClientParser:
         assert head is not None
         headers = head.headers
         headers.append((name, value))
-        if len(headers) > MAX_HEADERS:
+        self._header_bytes += len(name) + len(value) + 4
+        if len(headers) > MAX_HEADERS or self._header_bytes > MAX_HEAD_BYTES:
             self._fail(431, "headers_too_large")
         lower = name.lower()
         if lower not in _NOT_FORWARDED:

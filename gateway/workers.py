@@ -62,6 +62,22 @@ def default_workers(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return 1
 
 
+def raise_file_limit() -> int:
+    """Lift the soft open-file limit to the hard one: every held request is a client socket (and,
+    once forwarded, a backend socket), so the default soft limit of 1024 would cap the queue long
+    before ``maxQueue``. Returns the soft limit in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError):
+            pass
+    return soft
+
+
 def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_socket.socket) -> int:
     """Body of a forked worker: serve until SIGTERM has drained it."""
     import gevent
@@ -233,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gateway: configuration error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
+    files = raise_file_limit()
+    if files < 2 * config.max_connections + 64:
+        log.warning("open-file limit below what max connections need",
+                    extra={"limit": files, "max_connections": config.max_connections})
     workers = config.gateway_workers or default_workers()
     supervisor = Supervisor(config, workers)
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import multiprocessing
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -32,8 +33,8 @@ from scaler.demand import Demand
 __all__ = ["PodState", "Row", "DEMAND_FIELDS"]
 
 # Row layout: the demand fields first, then the metric cells (gateway.metrics decides their use).
-QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE = range(6)
-DEMAND_FIELDS = 6
+QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID = range(7)
+DEMAND_FIELDS = 7
 ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
 
 _ctx = multiprocessing.get_context("fork")
@@ -106,6 +107,11 @@ class PodState:
         """The Pod's demand: what KEDA sees, one figure for all workers."""
         return Demand(int(self.total(QUEUED)), int(self.total(IN_FLIGHT)), self.any(LEASE_ACTIVE))
 
+    def per_worker(self) -> list[dict[str, int]]:
+        cells = self.cells
+        return [{"pid": int(cells[base + PID]), "queued": int(cells[base + QUEUED]),
+                 "inFlight": int(cells[base + IN_FLIGHT])} for base in self.rows()]
+
     def reclaim(self, index: int) -> int:
         """A worker died: return its tickets to the semaphore and clear its demand. Its metric
         counters are kept (counters must not go backwards). Returns the tickets returned."""
@@ -135,6 +141,7 @@ class Row:
         self._last_active = False
         self._notify = pod.notify
         self.cells[self.base + ALIVE] = 1.0
+        self.cells[self.base + PID] = os.getpid()
 
     def write_demand(self, queued: int, in_flight: int, lease_active: bool) -> None:
         """Record this worker's demand; wake the sampler only when ``active`` flips."""
