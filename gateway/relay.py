@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import select
 import socket as std_socket
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -72,6 +73,19 @@ class ConnectFailed(Exception):
 
 class UpstreamFailed(Exception):
     """The backend failed after bytes of the request reached it: answer 502, never replay."""
+
+
+RESOLVE_SECONDS = 5.0
+
+
+def _is_ip_literal(host: str) -> bool:
+    for family in (std_socket.AF_INET, std_socket.AF_INET6):
+        try:
+            std_socket.inet_pton(family, host)
+            return True
+        except OSError:
+            pass
+    return False
 
 
 def socket_closed(raw: std_socket.socket) -> bool:
@@ -137,6 +151,21 @@ class UpstreamPool:
         self.max_idle = max_idle
         self._idle: deque[UpstreamConnection] = deque()
         self._closed = False
+        self._address: tuple[str, int] | None = None
+        self._resolved_at = -RESOLVE_SECONDS
+        self._literal = _is_ip_literal(host)
+
+    def _target(self) -> tuple[str, int]:
+        """The backend's address, resolved at most every RESOLVE_SECONDS (a Service name's
+        ClusterIP is stable; a burst of new connections must not queue on the resolver)."""
+        if self._literal:
+            return (self.host, self.port)
+        now = time.monotonic()
+        if self._address is None or now - self._resolved_at >= RESOLVE_SECONDS:
+            infos = gevent.socket.getaddrinfo(self.host, self.port, 0, std_socket.SOCK_STREAM)
+            self._address = infos[0][4][:2]
+            self._resolved_at = now
+        return self._address
 
     @property
     def idle_count(self) -> int:
@@ -145,10 +174,11 @@ class UpstreamPool:
     def connect(self, timeout: float | None = None) -> UpstreamConnection:
         """A new connection. Raises ConnectFailed."""
         try:
-            sock = gevent.socket.create_connection((self.host, self.port), timeout=timeout or self.connect_timeout)
+            sock = gevent.socket.create_connection(self._target(), timeout=timeout or self.connect_timeout)
         except ConnectionRefusedError:
             raise ConnectFailed(refused=True) from None
         except OSError:  # timeout, unreachable, DNS (gaierror is an OSError)
+            self._address = None  # resolve again next time
             raise ConnectFailed(refused=False) from None
         sock.settimeout(None)  # deadlines are the watchdog's job
         try:

@@ -14,9 +14,12 @@ in-process worker), it holds the limits that are *per Pod, not per worker*:
   counters), so writes need no lock; readers (``/noctaya/queue``, ``/metrics``, the demand
   sampler feeding KEDA) sum the rows. A worker that dies has its row's tickets returned to the
   semaphore by the supervisor (:meth:`PodState.reclaim`).
-- ``notify``: a semaphore a worker posts when its ``active`` flag flips, waking the demand sampler
-  at once; every other demand change is picked up by the sampler's periodic read (coalescing:
-  no pipe write per warm request).
+- ``notify``: a semaphore a worker posts when its *cold* demand flips (a request queued for the
+  backend, or the activation lease starting or ending), waking the demand sampler at once: that is
+  what wakes a model from zero. Warm traffic (in-flight +1/-1 on every request) is picked up by the
+  sampler's periodic read instead, and a request that started and ended between two reads still counts
+  as one in flight for that read (a ``TRANSITIONS`` counter of requests started), so a busy backend never looks idle
+  and no warm request costs a wake-up or a pipe write.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from scaler.demand import Demand
 __all__ = ["PodState", "Row", "DEMAND_FIELDS"]
 
 # Row layout: the demand fields first, then the metric cells (gateway.metrics decides their use).
-QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID = range(7)
-DEMAND_FIELDS = 7
+QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID, TRANSITIONS = range(8)
+DEMAND_FIELDS = 8
 ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
 
 _ctx = multiprocessing.get_context("fork")
@@ -104,8 +107,17 @@ class PodState:
         return any(cells[base + field] for base in self.rows())
 
     def demand(self) -> Demand:
-        """The Pod's demand: what KEDA sees, one figure for all workers."""
+        """The Pod's demand now: what ``/noctaya/queue`` shows."""
         return Demand(int(self.total(QUEUED)), int(self.total(IN_FLIGHT)), self.any(LEASE_ACTIVE))
+
+    def sample(self, last_transitions: float) -> tuple[Demand, float]:
+        """The Pod's demand for KEDA, one figure for all workers: as :meth:`demand`, but at least
+        one in flight when requests came and went since the previous sample."""
+        transitions = self.total(TRANSITIONS)
+        demand = self.demand()
+        if transitions != last_transitions and demand.total == 0:
+            demand = Demand(0, 1, demand.lease_active)
+        return demand, transitions
 
     def per_worker(self) -> list[dict[str, int]]:
         cells = self.cells
@@ -131,27 +143,29 @@ class PodState:
 class Row:
     """One worker's writable row."""
 
-    __slots__ = ("pod", "index", "base", "cells", "_last_active", "_notify")
+    __slots__ = ("pod", "index", "base", "cells", "_last_cold", "_notify")
 
     def __init__(self, pod: PodState, index: int) -> None:
         self.pod = pod
         self.index = index
         self.base = index * ROW_CELLS
         self.cells = pod.cells
-        self._last_active = False
+        self._last_cold = False
         self._notify = pod.notify
         self.cells[self.base + ALIVE] = 1.0
         self.cells[self.base + PID] = os.getpid()
 
     def write_demand(self, queued: int, in_flight: int, lease_active: bool) -> None:
-        """Record this worker's demand; wake the sampler only when ``active`` flips."""
+        """Record this worker's demand; wake the sampler only when its cold demand flips."""
         cells, base = self.cells, self.base
+        if in_flight > cells[base + IN_FLIGHT]:
+            cells[base + TRANSITIONS] += 1.0  # a request started: seen by the next sample even if done by then
         cells[base + QUEUED] = queued
         cells[base + IN_FLIGHT] = in_flight
         cells[base + LEASE_ACTIVE] = 1.0 if lease_active else 0.0
-        active = lease_active or queued > 0 or in_flight > 0
-        if active is not self._last_active:
-            self._last_active = active
+        cold = lease_active or queued > 0
+        if cold is not self._last_cold:
+            self._last_cold = cold
             self._notify.release()
 
     def set_flag(self, field: int, value: bool) -> None:
@@ -159,9 +173,9 @@ class Row:
 
 
 class DemandSampler:
-    """Publishes the Pod's summed demand to a broadcaster: at once when a worker's ``active``
-    flips, otherwise at most every ``interval`` seconds when the figure changed (the broadcaster
-    ignores equal values). Runs in an OS thread of the supervisor (or of a test harness)."""
+    """Publishes the Pod's summed demand to a broadcaster: at once when a worker's cold demand
+    flips, otherwise every ``interval`` seconds (the broadcaster ignores equal values). Runs in an
+    OS thread of the supervisor (or of a test harness)."""
 
     def __init__(self, pod: PodState, broadcaster: Any, interval: float = 0.1) -> None:
         self.pod = pod
@@ -169,6 +183,7 @@ class DemandSampler:
         self.interval = interval
         self.withdrawn = False
         self.failures = 0
+        self._transitions = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="noctaya-demand-sampler", daemon=True)
 
@@ -177,7 +192,9 @@ class DemandSampler:
         return self
 
     def publish_now(self) -> None:
-        demand = Demand() if self.withdrawn else self.pod.demand()
+        demand, self._transitions = self.pod.sample(self._transitions)
+        if self.withdrawn:
+            demand = Demand()
         try:
             self.broadcaster.publish(demand)
         except Exception:  # a broken sink must never stop sampling; the next round retries

@@ -1,0 +1,79 @@
+"""The Pod-wide state shared by worker processes: exact admission across processes, tickets of a
+dead worker returned, demand coalesced (cold flips wake the sampler, warm traffic does not)."""
+
+from __future__ import annotations
+
+import os
+
+from gateway.state.pod import TRANSITIONS, PodState
+from scaler.demand import Demand, DemandBroadcaster
+
+
+def test_forked_workers_flooding_admit_exactly_max_queue() -> None:
+    pod = PodState(4, max_queue=50, max_held_bytes=None)
+    read_end, write_end = os.pipe()
+    pids = []
+    for _ in range(4):  # four processes race for 4 x 1,000 tickets
+        pid = os.fork()
+        if pid == 0:
+            got = sum(pod.try_take_slot() for _ in range(1000))
+            os.write(write_end, b"%d\n" % got)
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    os.close(write_end)
+    counts = [int(x) for x in os.read(read_end, 1024).split()]
+    os.close(read_end)
+    assert sum(counts) == 50 and len(counts) == 4
+    assert not pod.try_take_slot()
+    pod.give_slot()
+    assert pod.try_take_slot()
+
+
+def test_held_bytes_are_one_budget_for_the_pod() -> None:
+    pod = PodState(2, max_queue=10, max_held_bytes=1000)
+    assert pod.try_take_bytes(600) and not pod.try_take_bytes(500) and pod.try_take_bytes(400)
+    pod.give_bytes(1000)
+    assert pod.held_bytes == 0
+
+
+def test_a_dead_workers_tickets_return_to_the_pod() -> None:
+    pod = PodState(2, max_queue=3, max_held_bytes=None)
+    row = pod.row(1)
+    for _ in range(3):
+        assert pod.try_take_slot()
+    row.write_demand(2, 1, True)
+    assert not pod.try_take_slot()
+    assert pod.reclaim(1) == 3
+    assert pod.demand() == Demand() and all(pod.try_take_slot() for _ in range(3))
+
+
+def test_warm_traffic_never_wakes_the_sampler_but_is_seen_by_it() -> None:
+    pod = PodState(1, max_queue=10, max_held_bytes=None)
+    row = pod.row(0)
+    for _ in range(100):  # warm requests: in flight +1 / -1
+        row.write_demand(0, 1, False)
+        row.write_demand(0, 0, False)
+    assert not pod.notify.acquire(False)  # no wake-up at all
+    assert pod.cells[row.base + TRANSITIONS] == 100
+    demand, seen = pod.sample(0.0)
+    assert demand.active and demand.in_flight == 1  # came and went since the last sample: still busy
+    demand, seen = pod.sample(seen)
+    assert not demand.active  # nothing new since
+    row.write_demand(1, 0, True)  # a cold request: the sampler is woken at once
+    assert pod.notify.acquire(False)
+
+
+def test_sampler_publishes_the_sum_and_withdraws() -> None:
+    pod = PodState(2, max_queue=10, max_held_bytes=None)
+    pod.row(0).write_demand(2, 0, True)
+    pod.row(1).write_demand(1, 3, False)
+    from gateway.state.pod import DemandSampler
+
+    broadcaster = DemandBroadcaster()
+    sampler = DemandSampler(pod, broadcaster, interval=0.01)
+    sampler.publish_now()
+    assert broadcaster.current() == Demand(3, 3, True)
+    sampler.withdraw()
+    assert broadcaster.current() == Demand()
