@@ -306,23 +306,36 @@ def streaming(nginx_bin: str, seconds: float, streams: int = 200, chunks: int = 
 
 
 def stream_load(port: int, streams: int, seconds: float) -> dict:
+    """Each connection first completes one unmeasured stream (connections set up, backend pool
+    warm), then starts are staggered over one stream's duration and streams run back to back for
+    ``seconds``. Chunk rate counts only chunks received inside the window; TTFB is per stream,
+    from request sent to the first ``data:`` byte."""
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%s" % (len(STREAM_BODY), STREAM_BODY))
     selector = selectors.DefaultSelector()
-    state: dict[socket.socket, list] = {}  # sock -> [sent_at, first_byte_seen, buffer tail]
+    # sock -> [sent_at (None = not yet sent), first byte seen, buffer tail, measured]
+    state: dict[socket.socket, list] = {}
     ttfb: list[float] = []
     chunks = completed = 0
-    started = time.monotonic()
-    end = started + seconds
     for _ in range(streams):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.setblocking(False)
         s.send(request)
-        state[s] = [time.monotonic(), False, b""]
+        state[s] = [time.monotonic(), False, b"", False]
         selector.register(s, selectors.EVENT_READ)
-    while state and time.monotonic() < end + 30:
-        for key, _ in selector.select(0.5):
+    started = end = None
+    pending: list[tuple[float, socket.socket]] = []
+    warm = 0
+    while state:
+        now = time.monotonic()
+        if end is not None and now > end + 30:
+            raise RuntimeError("streams did not finish")
+        for at, s in [p for p in pending if p[0] <= now]:
+            pending.remove((at, s))
+            s.send(request)
+            state[s][0] = time.monotonic()
+        for key, _ in selector.select(0.005):
             s = key.fileobj
             try:
                 data = s.recv(65536)
@@ -330,26 +343,38 @@ def stream_load(port: int, streams: int, seconds: float) -> dict:
                 continue
             if not data:
                 raise RuntimeError(f"a stream was cut on port {port}: {state[s][2][-200:]!r}")
+            now = time.monotonic()
             st = state[s]
-            if not st[1] and b"data: " in data:
+            if st[3] and st[0] is None:
+                raise RuntimeError(f"bytes before the request on port {port}: {data[:300]!r}")
+            if st[3] and not st[1] and b"data: " in data:
                 st[1] = True
-                ttfb.append((time.monotonic() - st[0]) * 1000)
-            chunks += data.count(b"data: {")
+                ttfb.append((now - st[0]) * 1000)
+            if st[3] and now < end:
+                chunks += data.count(b"data: {")
             tail = st[2] + data
-            if b"0\r\n\r\n" in tail[-64:]:
-                completed += 1
-                if time.monotonic() < end:
-                    s.send(request)
-                    state[s] = [time.monotonic(), False, b""]
-                else:
-                    selector.unregister(s)
-                    s.close()
-                    del state[s]
-            else:
+            if b"\r\n0\r\n\r\n" not in tail[-64:]:  # the last-chunk line (not a header ending in 0)
                 st[2] = tail[-64:]
-    elapsed = time.monotonic() - started
+                continue
+            if not st[3]:  # the unmeasured first stream of this connection is done
+                warm += 1
+                state[s] = [None, False, b"", True]
+                if warm == streams:  # all warm: stagger the measured starts over ~0.5 s
+                    started = time.monotonic()
+                    end = started + seconds
+                    for k, sock in enumerate(state):
+                        pending.append((started + 0.5 * k / streams, sock))
+                continue
+            completed += 1
+            if now < end:
+                s.send(request)
+                state[s] = [time.monotonic(), False, b"", True]
+            else:
+                selector.unregister(s)
+                s.close()
+                del state[s]
     selector.close()
-    return {"chunks_per_s": chunks / elapsed, "streams": completed, "ttfb_p50": pct(ttfb, 50),
+    return {"chunks_per_s": chunks / seconds, "streams": completed, "ttfb_p50": pct(ttfb, 50),
             "ttfb_p99": pct(ttfb, 99)}
 
 

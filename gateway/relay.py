@@ -17,6 +17,7 @@ Timeouts: every blocking read and write runs under a deadline that the connectio
 from __future__ import annotations
 
 import errno
+import os
 import select
 import socket as std_socket
 import time
@@ -174,13 +175,12 @@ class UpstreamPool:
     def connect(self, timeout: float | None = None) -> UpstreamConnection:
         """A new connection. Raises ConnectFailed."""
         try:
-            sock = gevent.socket.create_connection(self._target(), timeout=timeout or self.connect_timeout)
+            sock = _connect(self._target(), timeout or self.connect_timeout)
         except ConnectionRefusedError:
             raise ConnectFailed(refused=True) from None
         except OSError:  # timeout, unreachable, DNS (gaierror is an OSError)
             self._address = None  # resolve again next time
             raise ConnectFailed(refused=False) from None
-        sock.settimeout(None)  # deadlines are the watchdog's job
         try:
             sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
         except OSError:
@@ -215,6 +215,26 @@ class UpstreamPool:
     def close(self) -> None:
         self._closed = True
         self.clear()
+
+
+def _connect(address: tuple[str, int], timeout: float) -> gevent.socket.socket:
+    """Connect to an already resolved address. (gevent's create_connection resolves even an IP
+    literal through its thread pool, so a burst of new connections would queue on ten threads.)"""
+    family = std_socket.AF_INET6 if ":" in address[0] else std_socket.AF_INET
+    raw = std_socket.socket(family, std_socket.SOCK_STREAM)
+    try:
+        raw.setblocking(False)
+        err = raw.connect_ex(address)
+        if err == errno.EINPROGRESS:
+            gevent.socket.wait_write(raw.fileno(), timeout=timeout,
+                                     timeout_exc=TimeoutError(errno.ETIMEDOUT, "connect timed out"))
+            err = raw.getsockopt(std_socket.SOL_SOCKET, std_socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err)) if err != errno.ECONNREFUSED else ConnectionRefusedError(err, "refused")
+    except BaseException:
+        raw.close()
+        raise
+    return gevent.socket.socket(family, std_socket.SOCK_STREAM, fileno=raw.detach())
 
 
 def _fail(conn: UpstreamConnection, what: str, exc: BaseException | None = None) -> UpstreamFailed:
@@ -282,7 +302,7 @@ def read_more(conn: UpstreamConnection, clock: Callable[[], float]) -> bool:
     """Read and parse the next piece of the body; False at EOF."""
     conn.deadline = clock() + conn.idle_timeout
     try:
-        data = conn.sock.recv(READ_CHUNK)
+        data = recv_waiting(conn.sock)  # the next piece was not in the last read: wait first
     except OSError as exc:
         raise _fail(conn, "reading response body", exc) from None
     finally:

@@ -35,7 +35,8 @@ __all__ = ["main", "default_workers", "run_worker"]
 log = logging.getLogger("noctaya.gateway")
 
 RESTART_BACKOFF_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0)
-KILL_MARGIN_SECONDS = 10.0  # after the drain grace: workers still alive are killed
+KILL_MARGIN_SECONDS = 10.0
+GC_THRESHOLD = 50_000  # after the drain grace: workers still alive are killed
 _PR_SET_PDEATHSIG = 1
 
 
@@ -100,6 +101,9 @@ def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_s
     # scans, so collections during traffic are short (they show up directly in tail latency).
     gc.collect()
     gc.freeze()
+    # The data path's objects are acyclic and die by reference counting; a young-generation
+    # collection every 700 allocations only costs tail latency. Collect far less often.
+    gc.set_threshold(GC_THRESHOLD, 50, 100)
     drainer.done.wait()
     return 0
 

@@ -180,7 +180,7 @@ def test_5000_held_cold_streams_all_get_heartbeats_and_complete(file_limit: int)
         streams.pump(lambda: streams.count(b": heartbeat", 2) == HELD, 60, "a second heartbeat on every stream")
         assert not streams.closed
         backend = Backend(backend_port)
-        streams.pump(lambda: streams.count(b"0\r\n\r\n") == HELD, 180, "every stream completed")
+        streams.pump(lambda: streams.count(b"\r\n0\r\n\r\n") == HELD, 180, "every stream completed")
         bodies = list(streams.buffers.values())
         assert all(b.count(b'data: {"object"') == 3 and b"data: [DONE]" in b for b in bodies)
         assert not any(b"event: error" in b for b in bodies)
