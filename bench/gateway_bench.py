@@ -153,6 +153,24 @@ class Gateway:
             self.proc.wait(5)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, steal) ticks of the whole machine from /proc/stat. On a virtual machine, steal is
+    time the host ran someone else while this guest wanted the CPU: it lands in every latency."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return user + nice + system + irq + softirq + steal, steal
+
+
+class StealMeter:
+    def __init__(self) -> None:
+        self.start = cpu_ticks()
+
+    def percent(self) -> float:
+        busy, steal = cpu_ticks()
+        return 100.0 * (steal - self.start[1]) / max(1, busy - self.start[0])
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` and all its descendants (the gateway is a supervisor, its workers
     and its scaler child)."""
@@ -201,43 +219,59 @@ def wrk(port: int, seconds: float, connections: int, pid: int | None = None) -> 
             "socket_errors": 0.0 if errors is None else 1.0, "cpu_us_per_request": cpu / max(total, 1) * 1e6}
 
 
-def open_loop(port: int, rate: float, seconds: float, workers: int = 8) -> list[float]:
-    """Latencies (ms) at a fixed arrival rate, measured from each request's *scheduled* start so
-    a slow answer cannot hide the queueing it causes (no coordinated omission)."""
+def open_loop(port: int, rate: float, seconds: float, connections: int = 8) -> list[float]:
+    """Latencies (ms) at a fixed arrival rate, measured from each request's *scheduled* start so a
+    slow answer cannot hide the queueing it causes (no coordinated omission). One thread, one epoll
+    loop over ``connections`` keep-alive connections: no GIL hand-offs in the measurement."""
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+    selector = selectors.DefaultSelector()
+    idle: list[socket.socket] = []
+    for _ in range(connections):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        idle.append(sock)
+    busy: dict[socket.socket, list] = {}  # sock -> [scheduled, received bytes]
     start = time.monotonic() + 0.2
     total = int(rate * seconds)
-    results: list[list[float]] = [[] for _ in range(workers)]
-    failures = [0]
-
-    def worker(k: int) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        for i in range(k, total, workers):
-            scheduled = start + i / rate
-            delay = scheduled - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            try:
-                conn.request("POST", "/v1/chat/completions", BODY, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status != 200:
-                    failures[0] += 1
-            except (OSError, http.client.HTTPException):
-                failures[0] += 1
-                conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    latencies: list[float] = []
+    backlog: list[float] = []
+    sent = 0
+    deadline = start + seconds + 30
+    while len(latencies) < total:
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError("open-loop run did not finish")
+        while sent < total and start + sent / rate <= now:
+            backlog.append(start + sent / rate)
+            sent += 1
+        while backlog and idle:
+            sock = idle.pop()
+            sock.send(request)
+            busy[sock] = [backlog.pop(0), b""]
+            selector.register(sock, selectors.EVENT_READ)
+        next_send = start + sent / rate if sent < total else now + 0.05
+        for key, _ in selector.select(max(0.0, min(next_send - time.monotonic(), 0.05))):
+            sock = key.fileobj
+            entry = busy[sock]
+            entry[1] += sock.recv(65536)
+            head, sep, body = entry[1].partition(b"\r\n\r\n")
+            if not sep:
                 continue
-            results[k].append((time.monotonic() - scheduled) * 1000)
-        conn.close()
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(seconds + 30)
-    if failures[0]:
-        raise RuntimeError(f"{failures[0]} failed requests in the open-loop run")
-    return [x for r in results for x in r]
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            if len(body) < length:
+                continue
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"open-loop request failed: {head[:100]!r}")
+            latencies.append((time.monotonic() - entry[0]) * 1000)
+            selector.unregister(sock)
+            del busy[sock]
+            idle.append(sock)
+    for sock in idle + list(busy):
+        sock.close()
+    selector.close()
+    return latencies
 
 
 def warm_path(nginx_bin: str, seconds: float, rounds: int, latency_seconds: float) -> dict:
@@ -250,14 +284,18 @@ def warm_path(nginx_bin: str, seconds: float, rounds: int, latency_seconds: floa
         open_loop(gw.port, 100, 1.0)
         open_loop(proxy_port, 100, 0.5)
         runs: dict[str, list[dict]] = {"nginx": [], "gateway": []}
+        steal = StealMeter()
         for _ in range(rounds):  # interleaved, so a burst of load elsewhere hits both alike
             runs["nginx"].append(wrk(proxy_port, seconds, 32, proxy.pid))
             runs["gateway"].append(wrk(gw.port, seconds, 32, gw.proc.pid))
         direct = wrk(static_port, seconds, 32)
+        warm_steal = steal.percent()
+        steal = StealMeter()
         lat = {}
         for name, port in (("direct", static_port), ("nginx", proxy_port), ("gateway", gw.port)):
             samples = open_loop(port, 200, latency_seconds)
             lat[name] = {"p50": pct(samples, 50), "p99": pct(samples, 99), "n": len(samples)}
+        lat_steal = steal.percent()
         gw_rss = rss_kib(gw.worker_pid())
     finally:
         gw.stop()
@@ -279,7 +317,7 @@ def warm_path(nginx_bin: str, seconds: float, rounds: int, latency_seconds: floa
                   for g, n in zip(runs["gateway"], runs["nginx"], strict=True)]
     return {"runs": runs, "direct": direct, "ratio": statistics.median(ratios), "ratios": ratios,
             "cpu_ratio": statistics.median(cpu_ratios), "latency": lat, "gateway_rss_kib": gw_rss,
-            "workers_rps": spread}
+            "workers_rps": spread, "steal": {"warm": warm_steal, "latency": lat_steal}}
 
 
 def streaming(nginx_bin: str, seconds: float, streams: int = 200, chunks: int = 50, interval_ms: int = 10) -> dict:
@@ -292,11 +330,13 @@ def streaming(nginx_bin: str, seconds: float, streams: int = 200, chunks: int = 
     assert backend.stdout.readline().strip() == b"ready"
     proxy = Nginx(nginx_bin, proxy_port, upstream=backend_port, cpu=int(CPU0))
     gw = Gateway(f"http://127.0.0.1:{backend_port}", cpus=CPU0, NOCTAYA_MAX_QUEUE=str(4 * streams))
-    out = {}
+    out: dict = {}
     try:
         open_loop(gw.port, 50, 0.5)
+        steal = StealMeter()
         for name, port in (("direct", backend_port), ("nginx", proxy_port), ("gateway", gw.port)):
             out[name] = stream_load(port, streams, seconds)
+        out["steal"] = steal.percent()
     finally:
         gw.stop()
         proxy.stop()
@@ -523,6 +563,7 @@ def main() -> int:
               f"  non-2xx {sum(r['non2xx'] for r in runs[name]):.0f}")
     print(f"  gateway / nginx: throughput {warm['ratio']:.3f} (median of per-round ratios "
           f"{', '.join(f'{r:.3f}' for r in warm['ratios'])}), CPU per request {warm['cpu_ratio']:.2f}x")
+    print(f"  CPU steal (host) during these rounds: {warm['steal']['warm']:.1f}% of busy time")
     spread = warm["workers_rps"]
     print(f"  workers over both cores (wrk -c64): 1 worker {spread['1']:.0f} req/s, 2 workers {spread['2']:.0f} req/s"
           f" ({spread['2'] / spread['1']:.2f}x)")
@@ -532,11 +573,13 @@ def main() -> int:
     print(f"  added by nginx proxy: p50 {lat['nginx']['p50'] - lat['direct']['p50']:.3f}"
           f"  p99 {lat['nginx']['p99'] - lat['direct']['p99']:.3f}")
     print(f"  added by gateway:     p50 {added_p50:.3f}  p99 {added_p99:.3f}")
+    print(f"  CPU steal (host) during these runs: {warm['steal']['latency']:.1f}% of busy time")
     print("\n== Streaming: 200 concurrent streams of 50 SSE chunks 10 ms apart")
     for name in ("direct", "nginx", "gateway"):
         st = stream[name]
         print(f"  {name:8s} {st['chunks_per_s']:9.0f} chunks/s  {st['streams']:5d} streams  "
               f"TTFB p50 {st['ttfb_p50']:.2f}  p99 {st['ttfb_p99']:.2f} ms")
+    print(f"  CPU steal (host) during these runs: {stream['steal']:.1f}% of busy time")
     print(f"\n== {held['held']} held cold streams: RSS {held['rss_before_kib']} -> {held['rss_after_kib']} KiB, "
           f"{held['kib_per_connection']:.1f} KiB per held connection")
     print(f"\n== Backend Ready -> first forwarded byte (ms, {len(ready)} trials): "
