@@ -141,6 +141,11 @@ class Supervisor:
             _die_with_parent(self._parent)
             for sock in others:
                 sock.close()
+            # Nothing of the supervisor's but the listener (a restarted worker would otherwise keep
+            # e.g. the scaler child's stdin open, and with it the child, past the supervisor's death).
+            keep = listener.fileno()
+            os.closerange(3, keep)
+            os.closerange(keep + 1, _max_fd())
             code = run_worker(self.config, self.pod, index, listener)
         except BaseException as exc:  # noqa: BLE001 - the child must never return into the supervisor
             log.error("worker failed", extra={"worker": index, "error": type(exc).__name__})
@@ -217,6 +222,13 @@ class Supervisor:
         sampler.stop()
         log.info("drained")
         return 0
+
+
+def _max_fd() -> int:
+    try:
+        return min(os.sysconf("SC_OPEN_MAX"), 1 << 20)
+    except (OSError, ValueError):
+        return 65536
 
 
 def _die_with_parent(parent: int) -> None:

@@ -263,3 +263,46 @@ def test_two_workers_share_one_max_queue_and_keda_sees_one_figure() -> None:
             backend.stop()
     assert "Traceback" not in logs
     assert gw.proc.returncode == 0  # SIGTERM drained both workers
+
+
+def test_a_killed_worker_is_replaced_and_its_tickets_return() -> None:
+    max_queue = 4
+    backend_port = free_port()
+    gw = Gateway(backend_port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_MAX_QUEUE=str(max_queue),
+                 NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="120")
+    socks = []
+    backend = None
+    try:
+        (worker,) = children(gw.proc.pid)
+        for _ in range(max_queue):
+            sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+            sock.sendall(request_bytes(BODY))
+            socks.append(sock)
+        wait_for(lambda: gw.queue()["queued"] == max_queue, timeout=15, what="queue full")
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: [p for p in children(gw.proc.pid) if p != worker], timeout=20, what="a new worker")
+
+        def served() -> bool:
+            try:
+                return gw.queue()["queued"] == 0
+            except requests.RequestException:
+                return False
+
+        wait_for(served, timeout=20, what="the dead worker's tickets returned")
+        backend = Backend(backend_port)
+        # All maxQueue slots are usable again: nothing leaked with the dead worker.
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(
+            requests.post(gw.url + "/v1/chat/completions", data=BODY, timeout=30).status_code)) for _ in range(max_queue)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        assert results == [200] * max_queue
+    finally:
+        for sock in socks:
+            sock.close()
+        logs = gw.stop()
+        if backend is not None:
+            backend.stop()
+    assert "worker exited; restarting" in logs and "Traceback" not in logs
