@@ -332,7 +332,6 @@ def streaming(nginx_bin: str, seconds: float, streams: int = 200, chunks: int = 
     gw = Gateway(f"http://127.0.0.1:{backend_port}", cpus=CPU0, NOCTAYA_MAX_QUEUE=str(4 * streams))
     out: dict = {}
     try:
-        open_loop(gw.port, 50, 0.5)
         steal = StealMeter()
         for name, port in (("direct", backend_port), ("nginx", proxy_port), ("gateway", gw.port)):
             out[name] = stream_load(port, streams, seconds)
