@@ -24,7 +24,7 @@ import gevent.pool
 import gevent.socket
 from gevent.server import StreamServer
 
-from gateway.relay import INF, READ_CHUNK, UpstreamConnection, recv_waiting, send_all, socket_closed
+from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all, socket_closed
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ class ClientConnection:
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
                  "waiting_since", "upstream", "_watch", "gone", "wake", "message_done", "request_id",
-                 "version", "hub", "__weakref__")
+                 "version", "hub", "reader", "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
                  clock: Callable[[], float]) -> None:
@@ -101,6 +101,7 @@ class ClientConnection:
         self.request_id = b""
         self.version = "1.1"
         self.hub = gevent.get_hub()
+        self.reader = ReadWaiter(self.raw.fileno())
 
     # -- reading -------------------------------------------------------------------------------
     def _next_event(self) -> tuple[str, Any] | None:
@@ -109,7 +110,7 @@ class ClientConnection:
             self.deadline = self.clock() + self.idle_timeout
             try:
                 # Between requests the next one is not there yet (the answer just left): wait first.
-                data = recv_waiting(self.sock) if self.message_done else self.sock.recv(READ_CHUNK)
+                data = recv_waiting(self.sock, self.reader) if self.message_done else self.sock.recv(READ_CHUNK)
             except OSError:
                 data = b""
             finally:
@@ -267,6 +268,7 @@ class ClientConnection:
 
     def close(self) -> None:
         self.disarm_watch()
+        self.reader.close()
         self.sock.close()
 
 
