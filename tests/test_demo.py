@@ -1,5 +1,7 @@
 """`make demo` is the README's main command: prove it runs end to end and scales back to zero."""
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,15 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(240)
 def test_demo_scales_from_zero_and_back() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "demo", "--cooldown", "2", "--load-seconds", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    # Its own process group: if it hangs, the demo and everything it started (hook server, gateway,
+    # backend) are killed together instead of outliving the test.
+    proc = subprocess.Popen([sys.executable, "-m", "demo", "--cooldown", "2", "--load-seconds", "1"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is still running
+        except ProcessLookupError:
+            pass
+        if proc.returncode is None:
+            out, err = proc.communicate()
+    assert proc.returncode == 0, out + err
     # The timeline shows each stage, in order.
     stages = [
         "POST /v1/llmservice/sync",
