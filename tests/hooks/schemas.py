@@ -15,8 +15,7 @@ from typing import Any
 import kubernetes.client as k8s
 import yaml
 
-# ../shared/third_party beside the repository (CI lays a copy of shared/ next to the clone).
-KEDA_SCALEDOBJECT_CRD = Path(__file__).resolve().parents[3] / "shared" / "third_party" / "keda" / "keda.sh_scaledobjects.yaml"
+from tests.third_party import keda_scaledobject_crd
 
 KINDS = {
     ("apps/v1", "Deployment"): "V1Deployment",
@@ -71,8 +70,9 @@ def child_problems(obj: dict[str, Any]) -> list[str]:
     return k8s_problems(obj, type_name, obj["kind"])
 
 
-def load_crd_schema(path: Path = KEDA_SCALEDOBJECT_CRD) -> dict[str, Any]:
-    crd = yaml.safe_load(path.read_text())
+def load_crd_schema(path: Path | None = None) -> dict[str, Any]:
+    """KEDA's published ScaledObject schema (from its Go module at the pinned version) by default."""
+    crd = yaml.safe_load((path or keda_scaledobject_crd()).read_text())
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 

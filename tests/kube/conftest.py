@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
+from tests.third_party import SHARED_THIRD_PARTY, ThirdPartyUnavailable, metacontroller_crds, module_crds
 
-# Published CRDs of KEDA, Metacontroller and the Prometheus Operator. In a checkout they sit in
-# ../shared/third_party beside the repository (CI lays a copy of shared/ next to the clone).
-THIRD_PARTY_DIR = REPO_ROOT.parent / "shared" / "third_party"
 CRDS_DIR = REPO_ROOT / "crds"
 
 
@@ -34,10 +32,6 @@ def kube() -> Iterator[ControlPlane]:
         plane.stop()
 
 
-def third_party_crd_files() -> list[Path]:
-    return sorted(THIRD_PARTY_DIR.glob("*/*.yaml"))
-
-
 def wait_established(kube: ControlPlane, names: list[str]) -> None:
     kube.kubectl("wait", "--for=condition=Established", "--timeout=90s", *[f"crd/{n}" for n in names])
 
@@ -53,10 +47,12 @@ def crd_names(kube: ControlPlane, *paths: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def third_party_crds(kube: ControlPlane) -> list[str]:
-    """KEDA, Metacontroller and Prometheus Operator CRDs installed and Established."""
-    files = third_party_crd_files()
-    if not files:
-        pytest.skip(f"third-party CRDs not found in {THIRD_PARTY_DIR} (a copy of shared/ beside the repo)")
+    """KEDA and Prometheus Operator CRDs (from their Go modules), and Metacontroller's when a copy of
+    shared/ sits beside the clone, installed and Established."""
+    try:
+        files = module_crds() + metacontroller_crds()
+    except ThirdPartyUnavailable as exc:
+        pytest.skip(str(exc))
     args: list[str] = []
     for path in files:
         args += ["-f", str(path)]
@@ -82,5 +78,8 @@ def noctaya_crds(kube: ControlPlane) -> list[str]:
 @pytest.fixture(scope="session")
 def installed(kube: ControlPlane, third_party_crds: list[str], noctaya_crds: list[str]) -> ControlPlane:
     """The whole install: third-party CRDs, then `kubectl apply --server-side -k metacontroller/`."""
+    if not metacontroller_crds():
+        pytest.skip(f"Metacontroller's CRDs not found in {SHARED_THIRD_PARTY / 'metacontroller'} (no Go module "
+                    "publishes them; a copy of shared/ beside the clone provides them)")
     kube.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
     return kube

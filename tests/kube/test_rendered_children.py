@@ -42,9 +42,9 @@ def parent_namespace(request: dict[str, Any]) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def cluster(installed: ControlPlane) -> ControlPlane:
+def cluster(kube: ControlPlane, third_party_crds: list[str], noctaya_crds: list[str]) -> ControlPlane:
     """CRDs of Noctaya and of the child types (KEDA ScaledObject) installed."""
-    return installed
+    return kube
 
 
 def ensure_namespaces(kube: ControlPlane, objects: list[dict[str, Any]]) -> None:

@@ -1,0 +1,82 @@
+"""Third-party CRDs for the tests, from where each project publishes them.
+
+KEDA and the Prometheus Operator publish Go modules: their CRDs are read from those modules at the
+versions pinned in tools/kube-testenv/versions.env, downloaded once into Go's module cache (outside
+the repository) with ``go mod download``. Metacontroller is not served as a module; its CRDs come
+from ``../shared/third_party`` when a copy of shared/ sits beside the clone, and the tests that need
+them skip with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VERSIONS = REPO_ROOT / "tools" / "kube-testenv" / "versions.env"
+SHARED_THIRD_PARTY = REPO_ROOT.parent / "shared" / "third_party"
+
+# module variable in versions.env -> CRD files inside that module
+MODULE_CRDS = {
+    "KEDA_MODULE": ["config/crd/bases/keda.sh_scaledobjects.yaml",
+                    "config/crd/bases/keda.sh_triggerauthentications.yaml",
+                    "config/crd/bases/keda.sh_clustertriggerauthentications.yaml"],
+    "PROMETHEUS_OPERATOR_MODULE": ["example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
+                                   "example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml",
+                                   "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml"],
+}
+
+
+class ThirdPartyUnavailable(Exception):
+    """A skip reason."""
+
+
+def _pinned(variable: str) -> str:
+    for line in VERSIONS.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == variable:
+            return value.strip()
+    raise KeyError(f"{variable} not pinned in {VERSIONS}")
+
+
+@functools.cache
+def module_dir(variable: str) -> Path:
+    """The unpacked module (``go mod download``; cached by Go, so only the first call fetches)."""
+    if shutil.which("go") is None:
+        raise ThirdPartyUnavailable(f"Go not found: needed to download {_pinned(variable)} for its CRDs")
+    module = _pinned(variable)
+    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+    out = subprocess.run(["go", "mod", "download", "-json", module], capture_output=True, text=True,
+                         timeout=600, cwd=REPO_ROOT / "tools", env=env)
+    try:
+        info = json.loads(out.stdout)
+    except ValueError:
+        info = {}
+    if out.returncode != 0 or "Dir" not in info:
+        detail = info.get("Error") or out.stderr.strip()[-300:]
+        raise ThirdPartyUnavailable(f"cannot download {module}: {detail}")
+    return Path(info["Dir"])
+
+
+def module_crds() -> list[Path]:
+    """KEDA's and the Prometheus Operator's CRD files. Raises ThirdPartyUnavailable."""
+    return [module_dir(var) / rel for var, rels in MODULE_CRDS.items() for rel in rels]
+
+
+def keda_scaledobject_crd() -> Path:
+    """KEDA's ScaledObject CRD; skips the calling test with the reason when it cannot be had."""
+    try:
+        return module_dir("KEDA_MODULE") / MODULE_CRDS["KEDA_MODULE"][0]
+    except ThirdPartyUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def metacontroller_crds() -> list[Path]:
+    """Metacontroller's CRDs from ../shared (no Go module publishes them); [] when absent."""
+    return sorted((SHARED_THIRD_PARTY / "metacontroller").glob("*.yaml"))
