@@ -17,7 +17,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.state.pod import BACKEND_READY, DRAINING, IN_FLIGHT, LEASE_ACTIVE, QUEUED, ROW_CELLS, PodState
+from gateway.state.pod import (
+    BACKEND_READY,
+    DRAINING,
+    IN_FLIGHT,
+    LEASE_ACTIVE,
+    METRIC_CELLS,
+    QUEUED,
+    ROW_CELLS,
+    PodState,
+)
 
 __all__ = ["GatewayMetrics", "REJECTION_REASONS", "CONTENT_TYPE_LATEST", "Counter", "Histogram"]
 
@@ -28,7 +37,7 @@ ACTIVATION_BUCKETS = (1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 90
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 # Cell offsets inside a worker's row (after the demand fields).
-_CODES = 8  # 600 cells: requests by status code 0..599 (0 = out of range)
+_CODES = METRIC_CELLS  # 600 cells: requests by status code 0..599 (0 = out of range)
 _REASONS = _CODES + 600
 _COLD = _REASONS + 16
 _ACTIVATION = _COLD + 8
@@ -110,34 +119,30 @@ class _PodCollector:
     def __init__(self, pod: PodState) -> None:
         self.pod = pod
 
-    def _sum(self, offset: int) -> float:
-        cells = self.pod.cells
-        return sum(cells[base + offset] for base in self.pod.rows())
-
     def _histogram(self, name: str, doc: str, offset: int, buckets: Sequence[float]) -> HistogramMetricFamily:
-        counts = [self._sum(offset + i) for i in range(len(buckets) + 1)]
+        counts = [self.pod.total(offset + i) for i in range(len(buckets) + 1)]
         cumulative, running = [], 0.0
         for bound, count in zip([*map(_fmt, buckets), "+Inf"], counts, strict=True):
             running += count
             cumulative.append((bound, running))
-        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self._sum(offset + len(buckets) + 1))
+        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.pod.total(offset + len(buckets) + 1))
 
     def collect(self) -> Iterator[Metric]:
         pod = self.pod
         requests = CounterMetricFamily("noctaya_gateway_requests", "Requests answered, by HTTP status code.",
                                        labels=["code"])
         for code in range(600):
-            value = self._sum(_CODES + code)
+            value = self.pod.total(_CODES + code)
             if value:
                 requests.add_metric([str(code)], value)
         yield requests
         rejections = CounterMetricFamily("noctaya_gateway_rejections", "Requests refused by the gateway, by reason.",
                                          labels=["reason"])
         for i, reason in enumerate(REJECTION_REASONS):
-            rejections.add_metric([reason], self._sum(_REASONS + i))
+            rejections.add_metric([reason], self.pod.total(_REASONS + i))
         yield rejections
         yield CounterMetricFamily("noctaya_gateway_cold_requests", "Requests admitted while the backend was not ready.",
-                                  value=self._sum(_COLD))
+                                  value=self.pod.total(_COLD))
         yield GaugeMetricFamily("noctaya_gateway_queue_depth", "Admitted requests waiting for the backend.",
                                 value=pod.total(QUEUED))
         yield GaugeMetricFamily("noctaya_gateway_in_flight", "Requests being forwarded to the backend.",

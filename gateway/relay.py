@@ -393,7 +393,3 @@ def probe_readiness(pool: UpstreamPool, path: str, host_header: str, timeout: fl
         return ProbeResult.NOT_READY
     finally:
         conn.close()
-
-
-def is_disconnect(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in (errno.EPIPE, errno.ECONNRESET, errno.ECONNABORTED, errno.EBADF)

@@ -125,10 +125,6 @@ class GatewayApp:
     def bad_request(self, conn: ClientConnection, exc: BadRequest) -> None:
         """Malformed HTTP from the client: a JSON 400/414/431, then the connection closes."""
         name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
-        if not conn.request_id:
-            from gateway.server import new_request_id
-
-            conn.request_id = new_request_id()
         conn.message_done = True
         try:
             self._error(conn, name, close=True)

@@ -282,6 +282,7 @@ def serve_connection(app: GatewayApp, conn: ClientConnection) -> None:
         try:
             head = conn.read_head()
         except BadRequest as exc:
+            conn.request_id = new_request_id()  # nothing of the malformed request is trusted
             app.bad_request(conn, exc)
             return
         if head is None:

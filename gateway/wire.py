@@ -24,8 +24,11 @@ __all__ = [
 ]
 
 MAX_TARGET_BYTES = 8 * 1024
-MAX_HEAD_BYTES = 32 * 1024
+MAX_HEAD_BYTES = 32 * 1024  # header names + values (+ 4 bytes each for ": " and CRLF)
 MAX_HEADERS = 100
+# Guard on raw bytes of a head still incomplete after a read (llhttp buffers a partial header line
+# itself): the request line and header limits above, plus slack for the line ends.
+_MAX_RAW_HEAD = MAX_TARGET_BYTES + MAX_HEAD_BYTES + 1024
 
 # Headers that describe one hop, never forwarded in either direction (RFC 9110 §7.6.1).
 HOP_BY_HOP = frozenset({
@@ -34,7 +37,6 @@ HOP_BY_HOP = frozenset({
 })
 
 
-_NOTHING: frozenset[bytes] = frozenset()
 _PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})  # names no header beyond the hop-by-hop set
 
 
@@ -129,7 +131,7 @@ class ClientParser:
             raise (self._error or BadRequest(400, "bad_request")) from None
         except httptools.HttpParserError:
             raise BadRequest(400, "bad_request") from None
-        if self.in_head and self._head_bytes > MAX_HEAD_BYTES:
+        if self.in_head and self._head_bytes > _MAX_RAW_HEAD:
             raise BadRequest(431, "headers_too_large")
 
     # -- llhttp callbacks ---------------------------------------------------------------------

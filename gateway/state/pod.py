@@ -33,11 +33,11 @@ from typing import Any
 
 from scaler.demand import Demand
 
-__all__ = ["PodState", "Row", "DEMAND_FIELDS"]
+__all__ = ["PodState", "Row", "DemandSampler"]
 
 # Row layout: the demand fields first, then the metric cells (gateway.metrics decides their use).
 QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID, TRANSITIONS = range(8)
-DEMAND_FIELDS = 8
+METRIC_CELLS = TRANSITIONS + 1  # first cell gateway.metrics may use
 ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
 
 _ctx = multiprocessing.get_context("fork")
@@ -135,9 +135,6 @@ class PodState:
         for field in (QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, ALIVE):
             cells[base + field] = 0.0
         return tickets
-
-    def __getstate__(self) -> Any:  # shared by fork only
-        raise TypeError("PodState is shared by fork, not pickled")
 
 
 class Row:

@@ -225,3 +225,67 @@ def test_retrieving_a_model_while_cold_wakes_nothing(backend, make_gateway) -> N
     q = requests.get(gw.url + "/noctaya/queue", timeout=5).json()
     assert not q["lease"]["active"] and q["demand"]["total"] == 0
     assert not gw.broadcaster.current().active and gw.app.metrics.cold_requests.value == 0
+
+
+def _status(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def test_header_and_target_limits_hold_exactly_at_the_limit(backend, make_gateway) -> None:
+    from gateway.wire import MAX_HEAD_BYTES, MAX_HEADERS, MAX_TARGET_BYTES
+
+    backend.start()
+    gw = make_gateway(backend)
+
+    def get(target: bytes, headers: list[bytes]) -> int:
+        return _status(exchange(gw.port, b"GET " + target + b" HTTP/1.1\r\n" + b"".join(headers) +
+                                b"Connection: close\r\n\r\n"))
+
+    close = len(b"Connection") + len(b"close") + 4  # the request's own Connection header counts too
+    # Header count: MAX_HEADERS in all is served, one more is 431.
+    many = [b"X-H%03d: v\r\n" % i for i in range(MAX_HEADERS - 1)]
+    assert get(b"/v1/models", many) == 200
+    assert get(b"/v1/models", many + [b"X-Extra: v\r\n"]) == 431
+    # Header bytes (name + value + 4 each): exactly MAX_HEAD_BYTES is served, one byte more is 431.
+    value_len = MAX_HEAD_BYTES - close - len(b"X-Big") - 4
+    assert get(b"/v1/models", [b"X-Big: " + b"a" * value_len + b"\r\n"]) == 200
+    assert get(b"/v1/models", [b"X-Big: " + b"a" * (value_len + 1) + b"\r\n"]) == 431
+    # Request target: MAX_TARGET_BYTES reaches the backend (its own 404), one byte more is 414.
+    base = b"/v1/x?q="
+    assert get(base + b"a" * (MAX_TARGET_BYTES - len(base)), []) == 404
+    assert [len(p) for _, p, _ in backend.requests] == [MAX_TARGET_BYTES]  # forwarded intact
+    assert get(base + b"a" * (MAX_TARGET_BYTES - len(base) + 1), []) == 414
+
+
+def test_body_limit_holds_exactly_at_the_limit(backend, make_gateway) -> None:
+    limit = 4096
+    backend.start()
+    gw = make_gateway(backend, max_body_bytes=limit)
+    ok = requests.post(gw.url + "/v1/echo", data=b"x" * limit, timeout=10)
+    assert ok.status_code == 200 and ok.content == b"x" * limit
+    assert requests.post(gw.url + "/v1/echo", data=b"x" * (limit + 1), timeout=10).status_code == 413
+    # Chunked (no length): the limit is counted as the body arrives.
+    assert requests.post(gw.url + "/v1/echo", data=iter([b"y" * (limit // 2)] * 2), timeout=10).status_code == 200
+    assert requests.post(gw.url + "/v1/echo", data=iter([b"y" * (limit // 2)] * 2 + [b"y"]),
+                         timeout=10).status_code == 413
+
+
+def test_max_connections_holds_exactly_at_the_limit(backend, make_gateway) -> None:
+    backend.start()
+    gw = make_gateway(backend, max_connections=3)
+    open_socks = []
+    for _ in range(3):  # three kept-alive connections: every one is served
+        sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        open_socks.append(sock)
+    fourth = socket.create_connection(("127.0.0.1", gw.port), timeout=10)  # the kernel still accepts it...
+    fourth.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    fourth.settimeout(0.5)
+    with pytest.raises(TimeoutError):
+        fourth.recv(65536)  # ...but the gateway does not serve a fourth connection
+    open_socks.pop().close()  # one slot frees: the waiting connection is served
+    fourth.settimeout(10)
+    assert fourth.recv(65536).startswith(b"HTTP/1.1 200")
+    for sock in [*open_socks, fourth]:
+        sock.close()
