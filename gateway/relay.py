@@ -52,16 +52,18 @@ class ReadWaiter:
     read, which costs up to three ``epoll_ctl`` calls per wait (measured with strace: 2.8 per
     request, most of them failing and retried). Here the watcher stays started; a wait parks the
     greenlet until the watcher fires. If data arrives while nobody waits, the watcher stops itself
-    (or it would fire on every loop iteration) and the next wait returns at once and re-arms it.
+    (or it would fire on every loop iteration), calls ``on_idle`` (a client connection checks for a
+    hang-up there), and the next wait returns at once and re-arms it.
     """
 
-    __slots__ = ("_io", "_waiter", "ready", "_hub")
+    __slots__ = ("_io", "_waiter", "ready", "_hub", "on_idle")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, on_idle: Callable[[], None] | None = None) -> None:
         self._hub = gevent.get_hub()
         self._io = self._hub.loop.io(fd, 1)
         self._waiter: Waiter | None = None
         self.ready = False
+        self.on_idle = on_idle
         self._io.start(self._on_readable)
 
     def _on_readable(self) -> None:  # hub context
@@ -72,6 +74,8 @@ class ReadWaiter:
         else:
             self.ready = True
             self._io.stop()
+            if self.on_idle is not None:
+                self.on_idle()
 
     def wait(self) -> None:
         if self.ready:

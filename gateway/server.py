@@ -5,7 +5,7 @@ One greenlet per connection runs :func:`serve_connection`. Deadlines are attribu
 single watchdog greenlet wakes every ``WATCHDOG_SECONDS``, shuts down any socket whose deadline
 passed (which unblocks the greenlet waiting on it) and arms a hang-up watcher for requests still
 waiting on the backend after ``LAZY_WATCH_SECONDS``. A fast request therefore creates no timer and
-no extra greenlet; a held cold request gets its watcher at once (``arm_watch``).
+no extra greenlet; a held cold request is watched at once (``arm_watch``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ClientConnection:
     """One client socket, its parser and its deadlines."""
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
-                 "waiting_since", "upstream", "_watch", "gone", "wake", "message_done", "request_id",
+                 "waiting_since", "upstream", "watching", "gone", "wake", "message_done", "request_id",
                  "version", "hub", "reader", "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
@@ -94,14 +94,14 @@ class ClientConnection:
         self.waiting_on: UpstreamConnection | None = None  # set while awaiting a response head
         self.waiting_since: float | None = None
         self.upstream: UpstreamConnection | None = None  # the backend connection in use
-        self._watch: Any = None
+        self.watching = False  # hang-up detection armed (see arm_watch)
         self.gone = False
         self.wake: gevent.event.Event | None = None
         self.message_done = True
         self.request_id = b""
         self.version = "1.1"
         self.hub = gevent.get_hub()
-        self.reader = ReadWaiter(self.raw.fileno())
+        self.reader = ReadWaiter(self.raw.fileno(), on_idle=self._on_idle_readable)
 
     # -- reading -------------------------------------------------------------------------------
     def _next_event(self) -> tuple[str, Any] | None:
@@ -228,22 +228,28 @@ class ClientConnection:
         return self.gone
 
     def arm_watch(self) -> gevent.event.Event:
-        """Watch the client socket for a hang-up (an io watcher, no greenlet). On EOF: mark the
-        client gone, unblock a wait on the backend, and set ``wake``. Returns ``wake``."""
+        """Watch for a hang-up while nobody reads this connection. It costs no watcher of its own:
+        the connection's read watcher (``ReadWaiter``) already fires when the client becomes
+        readable with nobody waiting. On EOF: mark the client gone, unblock a wait on the backend,
+        and set ``wake``. Returns ``wake``."""
         if self.wake is None:
             self.wake = gevent.event.Event()
-        if self._watch is None and not self.gone:
-            watch = self.hub.loop.io(self.raw.fileno(), 1)
-            self._watch = watch
-            watch.start(self._on_readable)
+        if not self.watching and not self.gone:
+            self.watching = True
+            if self.reader.ready:  # bytes or EOF arrived before arming: no callback will come again
+                self._check_hang_up()
         return self.wake
 
-    def _on_readable(self) -> None:  # hub context: must never raise
+    def _on_idle_readable(self) -> None:  # hub context: must never raise
+        if self.watching:
+            self._check_hang_up()
+
+    def _check_hang_up(self) -> None:
         try:
             gone = socket_closed(self.raw)
         except Exception:  # noqa: BLE001
             gone = True
-        self.disarm_watch()  # EOF: done; pipelined bytes: stop, or this would fire forever
+        self.watching = False  # EOF: done; pipelined bytes: the next request waits its turn
         if gone:
             self.gone = True
             upstream = self.upstream
@@ -253,10 +259,7 @@ class ClientConnection:
                 self.wake.set()
 
     def disarm_watch(self) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.stop()
-            watch.close()
+        self.watching = False
 
     def expire(self) -> None:
         """The deadline passed: shut the socket down so the blocked read or write returns."""
@@ -371,5 +374,5 @@ class GatewayServer:
                 if upstream is not None and upstream.deadline < now:
                     upstream.abort()
                 since = conn.waiting_since
-                if since is not None and since < lazy and conn._watch is None and not conn.gone:
+                if since is not None and since < lazy and not conn.watching and not conn.gone:
                     conn.arm_watch()
