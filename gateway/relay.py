@@ -29,7 +29,7 @@ import gevent.socket
 from gevent.hub import Waiter
 
 from gateway.state.readiness import ProbeResult
-from gateway.wire import ResponseHead, UpstreamParser, UpstreamProtocolError
+from gateway.wire import LAST_CHUNK, ResponseHead, UpstreamParser, UpstreamProtocolError, chunk
 
 if TYPE_CHECKING:
     from gateway.server import ClientConnection
@@ -312,9 +312,9 @@ def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"",
         if rest is not None:
             for piece in rest:
                 conn.deadline = clock() + conn.idle_timeout
-                send_all(sock, b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                send_all(sock, chunk(piece) if chunked and piece else piece)
             if chunked:
-                send_all(sock, b"0\r\n\r\n")
+                send_all(sock, LAST_CHUNK)
     except OSError as exc:
         raise _fail(conn, "sending request", exc) from None
     except BaseException:

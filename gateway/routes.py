@@ -45,7 +45,7 @@ from gateway.server import (
 from gateway.state.admission import Ticket
 from gateway.state.pod import IN_FLIGHT, QUEUED, PodState
 from gateway.state.readiness import ProbeResult
-from gateway.wire import BadRequest, RequestHead, ResponseHead, connection_tokens, response_head
+from gateway.wire import LAST_CHUNK, BadRequest, RequestHead, ResponseHead, chunk, connection_tokens, response_head
 
 __all__ = ["GatewayApp", "is_stream_request"]
 
@@ -67,8 +67,8 @@ def is_stream_request(body: bytes) -> bool:
     return isinstance(doc, dict) and doc.get("stream") is True
 
 
-def _chunk(pieces: list[bytes]) -> bytes:
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p)
+def _chunks(pieces: list[bytes]) -> bytes:
+    return b"".join([chunk(p) for p in pieces if p])
 
 
 class GatewayApp:
@@ -361,10 +361,10 @@ class GatewayApp:
             while True:
                 pieces = parser.take_body()
                 if pieces:
-                    out += _chunk(pieces) if chunked else b"".join(pieces)
+                    out += _chunks(pieces) if chunked else b"".join(pieces)
                 if parser.complete:
                     if chunked:
-                        out += b"0\r\n\r\n"
+                        out += LAST_CHUNK
                     conn.send(out)
                     break
                 if out:
@@ -379,7 +379,7 @@ class GatewayApp:
                 return False
             log.warning("backend failed mid-response", extra={"detail": str(exc)})
             if response.is_sse and chunked:
-                conn.send(out + _chunk([sse_error_frame(ERRORS["backend_failure"])]) + b"0\r\n\r\n")
+                conn.send(out + chunk(sse_error_frame(ERRORS["backend_failure"])) + LAST_CHUNK)
                 return not close
             if out:
                 conn.send(out)
@@ -485,7 +485,7 @@ class GatewayApp:
             headers.append((b"Transfer-Encoding", b"chunked"))
         headers.extend(conn.connection_headers(close))
         self.metrics.count_response(200)
-        frame = (lambda data: b"%x\r\n%s\r\n" % (len(data), data)) if chunked else (lambda data: data)
+        frame = chunk if chunked else bytes
         conn.send(response_head(200, headers) + frame(cold.OPENING_COMMENT))
 
         def attempt() -> cold.Retry | Iterator[bytes]:
@@ -504,7 +504,7 @@ class GatewayApp:
                                            attempt, on_give_up):
             conn.send(frame(piece))
         if chunked:
-            conn.send(b"0\r\n\r\n")
+            conn.send(LAST_CHUNK)
         return not close
 
     def _committed_stream(self, conn: ClientConnection, upstream: UpstreamConnection,

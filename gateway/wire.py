@@ -21,6 +21,7 @@ import httptools
 __all__ = [
     "BadRequest", "RequestHead", "ClientParser", "ResponseHead", "UpstreamParser", "UpstreamProtocolError",
     "HOP_BY_HOP", "MAX_TARGET_BYTES", "MAX_HEAD_BYTES", "MAX_HEADERS", "response_head", "connection_tokens",
+    "chunk", "LAST_CHUNK",
 ]
 
 MAX_TARGET_BYTES = 8 * 1024
@@ -340,6 +341,14 @@ _REASONS = {
     431: b"Request Header Fields Too Large", 499: b"Client Closed Request", 500: b"Internal Server Error",
     502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
 }
+
+
+def chunk(data: bytes) -> bytes:
+    """One piece of a ``Transfer-Encoding: chunked`` body (never the empty last chunk)."""
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+LAST_CHUNK = b"0\r\n\r\n"
 
 
 def response_head(status: int, headers: list[tuple[bytes, bytes]], reason: bytes | None = None,
