@@ -16,17 +16,23 @@ connections across them). The supervisor then owns everything that is one per Po
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
+import resource
 import signal
 import socket as std_socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 
+import gevent
+
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.drain import Drainer
 from gateway.logs import configure_logging
-from gateway.server import listen_socket
+from gateway.routes import GatewayApp
+from gateway.server import GatewayServer, listen_socket, reseed_request_ids
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
 
@@ -67,8 +73,6 @@ def raise_file_limit() -> int:
     """Lift the soft open-file limit to the hard one: every held request is a client socket (and,
     once forwarded, a backend socket), so the default soft limit of 1024 would cap the queue long
     before ``maxQueue``. Returns the soft limit in force."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -81,12 +85,6 @@ def raise_file_limit() -> int:
 
 def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_socket.socket) -> int:
     """Body of a forked worker: serve until SIGTERM has drained it."""
-    import gevent
-
-    from gateway.drain import Drainer
-    from gateway.routes import GatewayApp
-    from gateway.server import GatewayServer, reseed_request_ids
-
     gevent.reinit()
     reseed_request_ids()  # forked workers must not hand out the same ids
     app = GatewayApp(config, pod=pod, worker=index)
@@ -95,8 +93,6 @@ def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_s
     drainer = Drainer(server, config.drain_grace_seconds)
     gevent.signal_handler(signal.SIGTERM, drainer.begin)
     gevent.signal_handler(signal.SIGINT, drainer.begin)
-    import gc
-
     # Everything allocated so far lives for the whole process: keep it out of the cyclic GC's
     # scans, so collections during traffic are short (they show up directly in tail latency).
     gc.collect()
