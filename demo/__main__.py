@@ -225,7 +225,9 @@ def render_through_hooks(procs: Processes, service: dict, runtime: dict) -> dict
     resp.raise_for_status()
     answer = resp.json()
     for child in answer["children"]:
-        say("hooks", f"  child {child['kind']}/{child['metadata']['name']}")
+        replicas = child.get("spec", {}).get("replicas") if child["kind"] == "Deployment" else None
+        note = f"  (spec.replicas {replicas})" if replicas is not None else ""
+        say("hooks", f"  child {child['kind']}/{child['metadata']['name']}{note}")
     for cond in answer["status"].get("conditions", []):
         say("hooks", f"  condition {cond['type']}={cond['status']} ({cond['reason']})")
     return answer

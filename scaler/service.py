@@ -4,7 +4,11 @@ Behaviour that KEDA relies on (SPEC §7):
 
 * StreamIsActive sends the current state as soon as it opens and pushes every change of the
   active flag at once; while active it re-sends ``true`` every ``resend_interval`` (KEDA refreshes
-  its cooldown clock on each push, and each message costs it API calls, hence the bound). Demand
+  its cooldown clock on each push, and each message costs it API calls, hence the bound). Right
+  after a flip to active the re-sends come sooner, ``activation_resend`` s later and doubling up to
+  ``resend_interval``: KEDA scales 0→1 on each ``true`` it gets while at zero, and one scale-up
+  lost to a write conflict (seen against real KEDA, a second after its own 1→0) must cost a cold
+  request a fraction of a second, not the whole interval. Demand
   counts changing while the flag stays the same are not pushed: they reach KEDA through
   GetMetrics. A stream never ends with an error because the demand source failed (KEDA backs off
   up to 60 s after a broken stream); it ends with OK when the server stops.
@@ -77,6 +81,7 @@ class ScalerSettings:
     metric_name: str = "noctaya-demand"
     target: int = 10
     resend_interval: float = 5.0  # re-send `true` at most this often while active
+    activation_resend: float = 0.25  # first re-send after a flip to active, doubling up to resend_interval
     max_streams: int = 256  # open StreamIsActive streams (KEDA opens one per ScaledObject trigger)
     unary_workers: int = 4  # unary handlers never block: a few threads beat many (less GIL convoy)
     max_pending_rpcs: int = 1024  # unary calls queued beyond the workers before RESOURCE_EXHAUSTED
@@ -86,8 +91,8 @@ class ScalerSettings:
         validate_metric_name(self.metric_name)
         if isinstance(self.target, bool) or not isinstance(self.target, int) or self.target < 1:
             raise ValueError("target must be an int >= 1")
-        if self.resend_interval <= 0 or self.wait_slice <= 0:
-            raise ValueError("resend_interval and wait_slice must be > 0")
+        if self.resend_interval <= 0 or self.wait_slice <= 0 or self.activation_resend <= 0:
+            raise ValueError("resend_interval, activation_resend and wait_slice must be > 0")
         if self.max_streams < 1 or self.unary_workers < 1 or self.max_pending_rpcs < 0:
             raise ValueError("max_streams and unary_workers must be >= 1, max_pending_rpcs >= 0")
 
@@ -242,10 +247,11 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         seen_version = -1  # no version is -1: the first wait returns the current state at once
         sent: bool | None = None
         sent_at = 0.0
+        gap = settings.resend_interval  # until the next re-send of `true`
         backoff = 0.05
         while not self._stopping and context.is_active():
             if sent:
-                timeout = max(0.0, min(settings.wait_slice, sent_at + settings.resend_interval - time.monotonic()))
+                timeout = max(0.0, min(settings.wait_slice, sent_at + gap - time.monotonic()))
             else:
                 timeout = settings.wait_slice
             try:
@@ -263,7 +269,9 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
                 break
             active = demand.active
             now = time.monotonic()
-            if active != sent or (active and now - sent_at >= settings.resend_interval):
+            if active != sent or (active and now - sent_at >= gap):
+                if active:  # a flip (or a stream opening while active) re-sends soon; re-sends back off
+                    gap = min(settings.activation_resend if not sent else gap * 2, settings.resend_interval)
                 sent, sent_at = active, now
                 self._count(pushes=1)
                 yield pb.IsActiveResponse(result=active)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hooks.errors import InvalidHookRequest
+from hooks.resources import backend, labels
 
 DEPLOYMENT = "Deployment.apps/v1"
 SERVICE = "Service.v1"
@@ -127,8 +128,8 @@ def kept(obj: dict[str, Any]) -> dict[str, Any]:
 
     Preferably the last-applied configuration Metacontroller recorded (exactly what a previous sync
     returned, so the 3-way merge is a no-op); otherwise the observed object without status and
-    server-managed metadata. Never `spec.replicas` of the backend: returning it would make it ours,
-    and a later sync that omits it again would reset KEDA's replica count.
+    server-managed metadata. The backend's `spec.replicas` is the live one, never the last-applied
+    one: KEDA has moved it since (see hooks/resources/backend.py).
     """
     meta = obj.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -144,7 +145,7 @@ def kept(obj: dict[str, Any]) -> dict[str, Any]:
             and (applied.get("metadata") or {}).get("name") == meta.get("name")
         ):
             applied.setdefault("apiVersion", obj.get("apiVersion"))
-            return _without_backend_replicas(applied)
+            return _with_live_backend_replicas(applied, obj)
     clean = {k: v for k, v in obj.items() if k != "status"}
     clean_meta = {k: v for k, v in meta.items() if k not in _SERVER_METADATA}
     if annotations:
@@ -154,13 +155,16 @@ def kept(obj: dict[str, Any]) -> dict[str, Any]:
         else:
             clean_meta.pop("annotations", None)
     clean["metadata"] = clean_meta
-    return _without_backend_replicas(clean)
+    return _with_live_backend_replicas(clean, obj)
 
 
-def _without_backend_replicas(obj: dict[str, Any]) -> dict[str, Any]:
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    if obj.get("kind") == "Deployment" and labels.get("serving.noctaya.io/component") == "backend":
-        spec = obj.get("spec")
-        if isinstance(spec, dict) and "replicas" in spec:
-            obj = {**obj, "spec": {k: v for k, v in spec.items() if k != "replicas"}}
-    return obj
+def _with_live_backend_replicas(kept_obj: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    component = ((kept_obj.get("metadata") or {}).get("labels") or {}).get(labels.COMPONENT)
+    spec = kept_obj.get("spec")
+    if kept_obj.get("kind") != "Deployment" or component != labels.BACKEND or not isinstance(spec, dict):
+        return kept_obj
+    spec = {k: v for k, v in spec.items() if k != "replicas"}
+    value = backend.observed_replicas(live)
+    if value is not None:
+        spec = {"replicas": value, **spec}
+    return {**kept_obj, "spec": spec}

@@ -114,7 +114,7 @@ def plan_children(
     name = ctx.name
     cache_plan = cache.plan(ctx)
     if keda and not cache_plan.blocks_backend:
-        out.children.append(backend.deployment(ctx, cache_plan.mount))
+        out.children.append(backend.deployment(ctx, cache_plan.mount, observed_deployment(observed, names.backend(name))))
     else:
         existing = observed_deployment(observed, names.backend(name))
         if existing is not None:

@@ -32,7 +32,7 @@ def _running(service: dict, runtimes: list[dict] | None = None, ready: bool = Tr
     for i, child in enumerate(first["children"]):
         extra: dict[str, Any] = {}
         if child["kind"] == "Deployment" and ready:
-            replicas = child["spec"].get("replicas", 1)
+            replicas = child["spec"].get("replicas") or 1  # a backend created at 0, scaled to 1 by KEDA
             extra = {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}
         observed.append(h.as_observed(child, i, **extra))
     status = sync.sync(h.sync_request(service, runtimes=runtimes, children=observed), h.config())["status"]

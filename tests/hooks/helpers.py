@@ -128,7 +128,9 @@ def decorator_request(obj: dict, runtimes: list[dict] | None = None, attachments
 
 
 def as_observed(child: dict, index: int = 0, **status: Any) -> dict:
-    """A child as the API server would return it after Metacontroller applied it."""
+    """A child as the API server would return it after Metacontroller applied it. A Deployment given
+    a status `replicas` count has settled there, so its `spec.replicas` says the same (for the backend:
+    KEDA scaled it to that)."""
     obj = copy.deepcopy(child)
     meta = obj.setdefault("metadata", {})
     meta.setdefault("namespace", NAMESPACE)
@@ -143,7 +145,7 @@ def as_observed(child: dict, index: int = 0, **status: Any) -> dict:
         managedFields=[{"manager": "metacontroller", "operation": "Update"}],
     )
     if obj["kind"] == "Deployment":
-        obj["spec"].setdefault("replicas", 1)
+        obj["spec"]["replicas"] = status.get("replicas", obj["spec"].get("replicas", 1))
         obj["status"] = {"observedGeneration": 1, "replicas": 0, **status}
     elif obj["kind"] == "Service":
         obj["spec"]["clusterIP"] = f"10.0.0.{index + 10}"

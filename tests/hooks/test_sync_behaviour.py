@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import json
 
 import pytest
 
@@ -53,9 +54,10 @@ def test_breakage_keeps_every_observed_child(breakage: str) -> None:
     assert ready["status"] == "False"
     assert ready["reason"] == {"bad-spec": "InvalidSpec", "runtime-deleted": "RuntimeNotFound", "keda-removed": "KEDANotInstalled",
                                "baked-image": "NotImplemented", "spec-not-an-object": "InvalidSpec"}[breakage]
-    # Kept children are what we applied before (last-applied), never the server's copy.
+    # Kept children are what we applied before (last-applied), never the server's copy, except the
+    # backend's replica count, which is KEDA's live one (the last-applied 0 would scale it down).
     backend = next(c for c in answer["children"] if c["metadata"]["name"] == names.backend("qwen") and c["kind"] == "Deployment")
-    assert "replicas" not in backend["spec"] and "status" not in backend
+    assert backend["spec"]["replicas"] == 1 and "status" not in backend
     assert "resourceVersion" not in backend["metadata"] and "annotations" not in backend["metadata"]
 
 
@@ -73,7 +75,7 @@ def test_kept_child_without_last_applied_is_stripped() -> None:
         assert "metacontroller.k8s.io/last-applied-configuration" not in meta["annotations"]
         assert "status" not in child
         if child["kind"] == "Deployment" and meta["labels"]["serving.noctaya.io/component"] == "backend":
-            assert "replicas" not in child["spec"]
+            assert child["spec"]["replicas"] == 1  # the live count
 
 
 def test_keda_missing_creates_everything_but_the_backend() -> None:
@@ -104,6 +106,31 @@ def test_last_transition_time_moves_only_on_status_change() -> None:
     assert calls == []
     flipped = sync.sync(h.sync_request(h.llmservice(status=steady["status"]), runtimes=[], children=observed), cfg)
     assert _cond(flipped, "RuntimeResolved")["lastTransitionTime"] == "2032-01-01T00:00:00Z" and calls == [1]
+
+
+def _backend(answer: dict) -> dict:
+    return next(c for c in answer["children"] if c["kind"] == "Deployment" and c["metadata"]["name"] == names.backend("qwen"))
+
+
+@pytest.mark.parametrize("floor", [0, 2])
+def test_new_backend_starts_at_the_floor_not_the_api_default(floor: int) -> None:
+    # Omitting spec.replicas would let the API server default it to 1: a Pod (an accelerator, a
+    # model load) before any demand, for as long as KEDA has not acted.
+    answer = sync.sync(h.sync_request(h.llmservice(scaling={"min": floor, "max": 4})), h.config())
+    assert _backend(answer)["spec"]["replicas"] == floor
+
+
+@pytest.mark.parametrize("live", [0, 1, 3])
+def test_backend_replicas_echo_the_live_count_so_keda_keeps_owning_them(live: int) -> None:
+    first = sync.sync(h.sync_request(h.llmservice(scaling={"min": 0, "max": 4})), h.config())
+    observed = [h.as_observed(c, i, replicas=live) if c["metadata"]["name"] == names.backend("qwen") and c["kind"] == "Deployment"
+                else h.as_observed(c, i) for i, c in enumerate(first["children"])]
+    # the last-applied annotation still says 0: a merge of 0 would undo KEDA's scale-up, and
+    # omitting the field would delete it (the API server would default it back to 1)
+    answer = sync.sync(h.sync_request(h.llmservice(scaling={"min": 0, "max": 4}), children=observed), h.config())
+    assert _backend(answer)["spec"]["replicas"] == live
+    again = sync.sync(h.sync_request(h.llmservice(scaling={"min": 0, "max": 4}, status=answer["status"]), children=observed), h.config())
+    assert json.dumps(again["children"]) == json.dumps(answer["children"])  # unchanged world, identical answer
 
 
 def test_status_replicas_come_from_the_backend_deployment_and_endpoint_is_fqdn() -> None:

@@ -100,7 +100,7 @@ def test_stream_first_message_is_current_state(initial, start_server, open_stub)
 
 
 def test_stream_pushes_changes_at_once(broadcaster, start_server, open_stub) -> None:
-    server = start_server(broadcaster, resend_interval=60.0)
+    server = start_server(broadcaster, resend_interval=60.0, activation_resend=60.0)
     stub = open_stub(server.port)
     stream = stub.StreamIsActive(REF, timeout=30)
     assert next(stream).result is False
@@ -135,6 +135,40 @@ def test_true_is_resent_at_a_bounded_rate_while_active(broadcaster, start_server
             break
         received_true += 1
     assert received_true >= resent
+    stream.cancel()
+
+
+def test_true_is_resent_soon_after_activation_then_backs_off(broadcaster, start_server, open_stub) -> None:
+    # KEDA scales 0->1 on each `true` it receives while at zero: if one scale-up is lost (a write
+    # conflict), the next `true` must come within a fraction of a second, then ease off.
+    server = start_server(broadcaster, resend_interval=1.0, activation_resend=0.1)
+    stub = open_stub(server.port)
+    stream = stub.StreamIsActive(REF, timeout=30)
+    assert next(stream).result is False
+    broadcaster.publish(Demand(queued=1))
+    t0 = time.monotonic()
+    assert next(stream).result is True
+    arrivals = []
+    for message in stream:
+        assert message.result is True
+        arrivals.append(time.monotonic() - t0)
+        if len(arrivals) == 6:
+            break
+    gaps = [b - a for a, b in zip([0.0, *arrivals], arrivals, strict=False)]
+    assert arrivals[0] < 0.6, arrivals  # first re-send ~0.1 s after the flip, not resend_interval later
+    # doubling (0.1, 0.2, 0.4, 0.8) up to the steady interval, never faster than scheduled
+    for gap, floor in zip(gaps, (0.1, 0.2, 0.4, 0.8, 1.0, 1.0), strict=True):
+        assert gap >= floor * 0.9, gaps
+    assert max(gaps) < 1.0 + 1.0, gaps  # capped at resend_interval (plus scheduling slack)
+    # a later flip false -> true starts the quick re-sends again
+    broadcaster.publish(Demand())
+    for message in stream:
+        if message.result is False:
+            break
+    broadcaster.publish(Demand(queued=1))
+    assert next(stream).result is True
+    t1 = time.monotonic()
+    assert next(stream).result is True and time.monotonic() - t1 < 0.6
     stream.cancel()
 
 
@@ -193,7 +227,7 @@ def test_128_streams_and_200_concurrent_unary_calls(broadcaster, start_server, o
 
 def test_faulty_source_never_ends_a_stream_with_an_error(start_server, open_stub) -> None:
     source = FlakyBroadcaster(failure_rate=0.4)
-    server = start_server(source, resend_interval=60.0, wait_slice=0.05)
+    server = start_server(source, resend_interval=60.0, activation_resend=60.0, wait_slice=0.05)
     stub = open_stub(server.port)
     streams = [stub.StreamIsActive(REF, timeout=60) for _ in range(4)]
     assert [next(s).result for s in streams] == [False] * 4

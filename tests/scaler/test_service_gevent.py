@@ -27,6 +27,10 @@ def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
     return proc.stdout.readline()  # type: ignore[union-attr]
 
 
+def _until(stream, value: bool) -> bool:
+    return any(message.result is value for message in stream)
+
+
 def test_scaler_inside_a_gevent_patched_process() -> None:
     env = {"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     proc = subprocess.Popen(
@@ -58,7 +62,8 @@ def test_scaler_inside_a_gevent_patched_process() -> None:
                 assert set(pool.map(unary, range(200))) == {1}
             requests.post(f"{http}/publish?lease=1", timeout=10)  # flag stays true: no push
             requests.post(f"{http}/publish", timeout=10)
-            assert all(next(s).result is False for s in streams)
+            # re-sent trues (soon after an activation) may come first; then the flip
+            assert all(_until(s, False) for s in streams)
             requests.post(f"{http}/stop", timeout=10)
             for s in streams:
                 assert list(s) == []
