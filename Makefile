@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo render crds bench clean
+.PHONY: venv test e2e lint demo render crds bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; failing" >&2; exit 1; fi; exit $$rc
+
+# The lifecycle suite: real kube-apiserver, real Metacontroller (built from ../shared's source into
+# ~/.cache), Noctaya's hook server; see tests/e2e/. Skips with the reason where a part cannot be had.
+e2e: $(STAMP)
+	NOCTAYA_E2E=1 $(PY) -m pytest -s tests/e2e; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make e2e: pytest collected no tests; failing" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

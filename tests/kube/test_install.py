@@ -177,6 +177,7 @@ METACONTROLLER_NEEDS = [
     ("watch", "pods"),
     ("get", "triggerauthentications.keda.sh"),
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
+    ("watch", "namespaces"),
     ("create", "events"),
 ]
 

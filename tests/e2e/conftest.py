@@ -1,0 +1,95 @@
+"""One real lifecycle environment for tests/e2e: API server, Noctaya installed as a user installs it,
+the hook server and real Metacontroller (see cluster.py). KEDA's CRDs are installed by the tests
+themselves, later than the controllers, as happens on real clusters.
+
+`make e2e` runs these; `make test` skips them (NOCTAYA_E2E unset) so the default suite stays short.
+Without Go, the shared/ copy of Metacontroller's source, or `unshare`, they skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary
+from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
+from tests.kube.conftest import crd_names, wait_established
+from tests.third_party import metacontroller_crds
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("NOCTAYA_E2E") == "1":
+        return
+    skip = pytest.mark.skip(reason="lifecycle suite: run with `make e2e` (NOCTAYA_E2E=1)")
+    for item in items:
+        if "tests/e2e/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    try:
+        bin_dir = ensure_binaries()
+        mc = metacontroller_binary()
+    except KubeUnavailable as exc:
+        pytest.skip(str(exc))
+    if shutil.which("unshare") is None:
+        pytest.skip("`unshare` (util-linux) not found: needed to give Metacontroller a private hosts file")
+    hosts_before = Path("/etc/hosts").read_bytes()
+    plane = ControlPlane(bin_dir)
+    plane.start()
+    env = None
+    pids: list[int] = []
+    try:
+        files = metacontroller_crds()
+        args = [a for f in files for a in ("-f", str(f))]
+        plane.kubectl("apply", "--server-side", *args)
+        wait_established(plane, crd_names(plane, *files))
+        env = Cluster(plane, mc)
+        plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
+        plane.kubectl("-n", "noctaya-system", "create", "secret", "generic", "noctaya-hooks",
+                      f"--from-literal=hook-token={env.hook_token}", f"--from-literal=token-key={os.urandom(16).hex()}")
+        env.start_hook_server()
+        env.start_metacontroller()
+        pids = env.pids() + [proc.pid for _name, proc in plane._procs]
+        yield env
+    finally:
+        if env is not None:
+            env.stop()
+        plane.stop()
+    # Nothing left behind: no process, no files outside the caches, the machine's hosts file as it was
+    # (the bind mount lived in Metacontroller's own mount namespace and ended with it).
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+    assert not alive, f"processes left running: {alive}"
+    assert not plane.workdir.exists(), f"{plane.workdir} left behind"
+    assert Path("/etc/hosts").read_bytes() == hosts_before, "/etc/hosts changed"
+    with open("/proc/self/mountinfo") as fh:
+        assert " /etc/hosts " not in fh.read(), "a mount over /etc/hosts is visible outside the suite"
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def timeline(request: pytest.FixtureRequest) -> Iterator[Timeline]:
+    """Notes of what the test saw; printed with the failure (see pytest_runtest_makereport)."""
+    line = Timeline()
+    request.node.timeline = line
+    yield line
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    report = yield
+    line = getattr(item, "timeline", None)
+    if line is not None and report.when == "call" and report.failed:
+        report.sections.append(("timeline", line.text()))
+    return report
