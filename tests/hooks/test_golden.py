@@ -10,6 +10,7 @@ import pytest
 
 from tests.hooks import helpers as h
 from tests.hooks.golden_cases import CASES, HOOKS
+from tests.hooks.golden_facts import FACTS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hooks"
 UPDATE = os.environ.get("NOCTAYA_UPDATE_GOLDEN") == "1"
@@ -40,3 +41,17 @@ def test_golden(case: str) -> None:
 def test_every_fixture_folder_is_a_case() -> None:
     on_disk = {p.name for p in FIXTURES.iterdir() if p.is_dir() and (p / "request.json").exists()}
     assert on_disk == set(CASES), "stale or missing golden folders"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_facts_hold(case: str) -> None:
+    """The hand-written facts hold for the committed snapshot and for the live answer alike."""
+    folder = FIXTURES / case
+    hook = (folder / "hook").read_text().strip()
+    request = json.loads((folder / "request.json").read_text())
+    FACTS[case](json.loads((folder / "expected.json").read_text()))
+    FACTS[case](HOOKS[hook](request, h.config(h.LATER_TIME)))
+
+
+def test_every_case_has_facts() -> None:
+    assert set(FACTS) == set(CASES)

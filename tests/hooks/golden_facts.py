@@ -1,0 +1,196 @@
+"""What makes each golden answer right, written by hand from the spec (SPEC.md §3–§8).
+
+A golden snapshot alone only proves the answer did not change; regenerating it
+(`NOCTAYA_UPDATE_GOLDEN=1`) would accept a regression. These facts are checked against both the
+committed expected.json and the live answer, so a regenerated snapshot that breaks one fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Answer = dict[str, Any]
+
+LLM_CHILDREN = {("Deployment", "qwen-backend"), ("Service", "qwen-backend"), ("PersistentVolumeClaim", "qwen-cache"),
+                ("Deployment", "qwen-gateway"), ("Service", "qwen-gateway"), ("Service", "qwen-scaler")}
+
+
+def cond(answer: Answer, ctype: str) -> str:
+    for c in answer["status"]["conditions"]:
+        if c["type"] == ctype:
+            return f"{c['status']}/{c['reason']}"
+    raise AssertionError(f"no {ctype} condition")
+
+
+def kids(answer: Answer) -> set[tuple[str, str]]:
+    return {(c["kind"], c["metadata"]["name"]) for c in answer.get("children", [])}
+
+
+def child(answer: Answer, kind: str, name: str) -> dict[str, Any]:
+    return next(c for c in answer["children"] if c["kind"] == kind and c["metadata"]["name"] == name)
+
+
+def backend_pod(answer: Answer) -> dict[str, Any]:
+    return child(answer, "Deployment", "qwen-backend")["spec"]["template"]["spec"]
+
+
+def backend_limits(answer: Answer) -> dict[str, str]:
+    return backend_pod(answer)["containers"][0]["resources"]["limits"]
+
+
+def _cold_single_gateway(a: Answer) -> None:
+    assert kids(a) == LLM_CHILDREN
+    assert child(a, "Deployment", "qwen-backend")["spec"]["replicas"] == 0  # no Pod before demand
+    assert cond(a, "Ready") == "False/Progressing" and cond(a, "AutoscalingReady") == "True/Configured"
+    public = child(a, "Service", "qwen-gateway")
+    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]  # the gRPC scaler is never public
+
+
+def _multi_gateway(a: Answer) -> None:
+    assert kids(a) >= LLM_CHILDREN | {("Deployment", "qwen-aggregator"), ("Service", "qwen-aggregator"),
+                                      ("PodDisruptionBudget", "qwen-gateway"), ("Secret", "qwen-scaler-token")}
+    assert child(a, "Deployment", "qwen-gateway")["spec"]["replicas"] == 3
+    assert "data" not in str(a["status"])  # the token Secret's data never reaches status
+
+
+def _selector_runtime(a: Answer) -> None:
+    # highest priority among runtimes matching engine=vllm and tier in (gpu): vllm-a100 (10) over vllm-t4 (5)
+    assert cond(a, "RuntimeResolved") == "True/Resolved"
+    assert "vllm-a100" in next(c for c in a["status"]["conditions"] if c["type"] == "RuntimeResolved")["message"]
+
+
+def _vendor(resource: str, check: Callable[[dict[str, Any]], None] | None = None) -> Callable[[Answer], None]:
+    def facts(a: Answer) -> None:
+        assert backend_limits(a)[resource] == "2"  # resources.accelerators: 2 as the vendor's device resource
+        if check is not None:
+            check(backend_pod(a))
+
+    return facts
+
+
+def _nvidia(pod: dict[str, Any]) -> None:
+    assert pod["runtimeClassName"] == "nvidia" and pod["schedulerName"] == "hami-scheduler"
+    limits = pod["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpumem"] == "20000" and limits["nvidia.com/gpucores"] == "50"
+
+
+def _amd(pod: dict[str, Any]) -> None:
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
+
+
+def _ascend(pod: dict[str, Any]) -> None:
+    assert pod["schedulerName"] == "volcano" and pod["priorityClassName"] == "inference"
+
+
+def _vendor_none(a: Answer) -> None:
+    limits = backend_limits(a)
+    assert not any("/" in k for k in limits)  # no accelerator resource at all
+    assert ("PersistentVolumeClaim", "qwen-cache") not in kids(a) and cond(a, "CacheReady") == "True/CacheNotUsed"
+
+
+def _kept_with(reason_cond: str, reason: str) -> Callable[[Answer], None]:
+    """Never destructive: every child of the running service is still returned."""
+
+    def facts(a: Answer) -> None:
+        assert kids(a) == LLM_CHILDREN
+        assert cond(a, reason_cond).endswith("/" + reason) and cond(a, "Ready") == f"False/{reason}"
+        assert child(a, "Deployment", "qwen-backend")["spec"]["replicas"] == 1  # KEDA's live count, kept
+
+    return facts
+
+
+def _ambiguous_runtime(a: Answer) -> None:
+    assert kids(a) == set()  # a new service: nothing to keep, nothing rendered from a guess
+    assert cond(a, "RuntimeResolved") == "False/AmbiguousRuntime"
+
+
+def _keda_missing(a: Answer) -> None:
+    assert kids(a) == LLM_CHILDREN - {("Deployment", "qwen-backend")}  # nothing could scale it
+    assert cond(a, "AutoscalingReady") == "False/KEDANotInstalled"
+
+
+def _steady_state_ready(a: Answer) -> None:
+    assert cond(a, "Ready") == "True/Ready" and a["status"]["readyReplicas"] == 1
+    assert a["status"]["endpoint"] == "http://qwen-gateway.models.svc.cluster.local/v1"
+
+
+def _failing(reason: str) -> Callable[[Answer], None]:
+    def facts(a: Answer) -> None:
+        assert cond(a, "BackendReady") == f"False/{reason}" and cond(a, "Ready") == f"False/{reason}"
+        assert kids(a) == LLM_CHILDREN  # a failing backend is reported, not torn down
+
+    return facts
+
+
+def _finalize_stop_admitting(a: Answer) -> None:
+    # first step of the ordered teardown: gateways go first (no new admissions), the backend drains
+    assert ("Deployment", "qwen-gateway") not in kids(a) and ("Deployment", "qwen-backend") in kids(a)
+    assert a["finalized"] is False and a["resyncAfterSeconds"] > 0
+
+
+def _finalize_draining_backend(a: Answer) -> None:
+    assert a["finalized"] is False and a["resyncAfterSeconds"] > 0  # a Pod is still draining
+
+
+def _finalize_done(a: Answer) -> None:
+    assert a["finalized"] is True and kids(a) == set()
+
+
+def _decorator_sync(a: Answer) -> None:
+    (so,) = a["attachments"]
+    spec = so["spec"]
+    assert spec["scaleTargetRef"]["name"] == "qwen-backend"
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 5)
+    assert spec["triggers"][0]["type"] == "external-push"
+    assert "fallback" not in spec  # KEDA holds replicas while the scaler is unreachable
+
+
+def _decorator_keeps(a: Answer) -> None:
+    assert [s["metadata"]["name"] for s in a["attachments"]] == ["qwen-backend"]  # kept without its runtime
+
+
+def _decorator_finalize(a: Answer) -> None:
+    assert a["finalized"] is True
+
+
+def _customize(a: Answer) -> None:
+    resources = {r["resource"] for r in a["relatedResources"]}
+    assert {"inferenceruntimes", "customresourcedefinitions", "pods"} <= resources
+
+
+def _runtime(expected: str) -> Callable[[Answer], None]:
+    def facts(a: Answer) -> None:
+        assert cond(a, "Accepted") == expected and a["children"] == []
+
+    return facts
+
+
+FACTS: dict[str, Callable[[Answer], None]] = {
+    "cold-single-gateway": _cold_single_gateway,
+    "multi-gateway": _multi_gateway,
+    "selector-runtime": _selector_runtime,
+    "vendor-nvidia": _vendor("nvidia.com/gpu", _nvidia),
+    "vendor-amd": _vendor("amd.com/gpu", _amd),
+    "vendor-intel-gaudi": _vendor("habana.ai/gaudi"),
+    "vendor-ascend": _vendor("huawei.com/Ascend910", _ascend),
+    "vendor-none": _vendor_none,
+    "missing-runtime": _kept_with("RuntimeResolved", "RuntimeNotFound"),
+    "ambiguous-runtime": _ambiguous_runtime,
+    "keda-missing": _keda_missing,
+    "keda-removed-later": _kept_with("AutoscalingReady", "KEDANotInstalled"),
+    "invalid-spec-existing-children": _kept_with("RuntimeResolved", "InvalidSpec"),
+    "steady-state-ready": _steady_state_ready,
+    "backend-failures": _failing("OOMKilled"),
+    "image-pull-failed": _failing("ImagePullFailed"),
+    "finalize-stop-admitting": _finalize_stop_admitting,
+    "finalize-draining-backend": _finalize_draining_backend,
+    "finalize-done": _finalize_done,
+    "decorator-sync": _decorator_sync,
+    "decorator-keeps-attachment-without-runtime": _decorator_keeps,
+    "decorator-finalize": _decorator_finalize,
+    "customize-by-name": _customize,
+    "customize-by-selector": _customize,
+    "runtime-accepted": _runtime("True/Accepted"),
+    "runtime-rejected": _runtime("False/InvalidSpec"),
+}
