@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test e2e lint demo render crds bench clean
+.PHONY: venv test e2e lint demo render crds chart bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ render: $(STAMP)
 
 crds: $(STAMP)
 	$(PY) -m hooks.crdgen --out crds --api-reference docs/api.md
+
+# charts/noctaya's CRDs and generated-*.yaml templates from crds/ and metacontroller/ (run after `make crds`).
+chart: $(STAMP)
+	$(PY) tools/chart/generate.py
 
 bench: $(STAMP)
 	$(PY) -m bench
