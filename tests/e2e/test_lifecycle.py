@@ -172,6 +172,27 @@ def test_runtime_gone_keeps_every_child_and_says_why(cluster: Cluster, timeline:
              lambda: conditions(cluster.get("llmservice", NAME, NS)).get("RuntimeResolved", "").startswith("True"))
 
 
+def test_runtime_change_rolls_the_backend_and_keeps_its_replicas(cluster: Cluster, timeline: Timeline) -> None:
+    cluster.kubectl("-n", NS, "scale", "deployment", f"{NAME}-backend", "--replicas=1")
+    before = cluster.get("deployment", f"{NAME}-backend", NS)
+    cluster.kubectl("patch", "inferenceruntime", "llamacpp-cpu", "--type=json",
+                    "-p", '[{"op":"add","path":"/spec/args/-","value":"--ctx-size=4096"}]')
+    timeline.note("runtime args changed: --ctx-size=4096 added")
+
+    def rolled() -> bool:
+        backend = cluster.get("deployment", f"{NAME}-backend", NS)
+        args = backend["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        return "--ctx-size=4096" in args
+
+    waited = wait_for(cluster, timeline, "backend Pod template carries the new runtime args", rolled)
+    after = cluster.get("deployment", f"{NAME}-backend", NS)
+    assert after["metadata"]["generation"] > before["metadata"]["generation"]  # a rollout, not a new object
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert after["spec"]["replicas"] == 1, timeline.text()  # KEDA's count survives the roll
+    print(f"\nInferenceRuntime change -> backend template updated: {waited:.1f}s")
+    cluster.kubectl("-n", NS, "scale", "deployment", f"{NAME}-backend", "--replicas=0")
+
+
 def test_no_hook_hot_loop_while_idle(cluster: Cluster, timeline: Timeline) -> None:
     # Let the last change settle, then count calls over one idle minute (the controllers resync every 60 s).
     time.sleep(5.0)
