@@ -32,7 +32,7 @@ from typing import Any
 import requests
 
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, cache_dir
-from tests.third_party import SHARED_THIRD_PARTY
+from tests.third_party import SHARED_THIRD_PARTY, go_env
 
 HOOK_HOST = "noctaya-hooks.noctaya-system.svc"
 HOOK_PORT = 8080
@@ -60,7 +60,7 @@ def metacontroller_binary() -> Path:
     with tarfile.open(tarball) as tar:
         tar.extractall(src, filter="data")
     (module,) = [p.parent for p in src.glob("*/go.mod")]
-    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod", "GOSUMDB": os.environ.get("GOSUMDB", "off")}
+    env = go_env()
     started = time.monotonic()
     out = subprocess.run(["go", "build", "-o", str(binary) + ".tmp", "./pkg/cmd/metacontroller"], cwd=module, env=env,
                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS, check=False)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from tests.kube.apiserver import KubeUnavailable, _versions, cache_dir
+from tests.third_party import go_env
 
 BUILD_TIMEOUT_SECONDS = 1800
 
@@ -24,8 +25,7 @@ def helm_binary() -> Path:
     if shutil.which("go") is None:
         raise KubeUnavailable(f"Go not found: needed to build {module}@{version}")
     binary.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0",
-           "GOSUMDB": os.environ.get("GOSUMDB", "off")}
+    env = go_env(CGO_ENABLED="0")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="noctaya-helm-build-") as work:
         # A throwaway main module that requires helm at the pinned version (`go install pkg@v` would
