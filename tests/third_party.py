@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,28 @@ def go_env(**extra: str) -> dict[str, str]:
 
 class ThirdPartyUnavailable(Exception):
     """A skip reason."""
+
+
+GO_BUILD_TIMEOUT_SECONDS = 1800
+
+
+def go_build_cached(binary: Path, cwd: Path, prepare: list[list[str]], package: str, **env: str) -> Path:
+    """Build ``package`` (in the module at ``cwd``, after the ``prepare`` commands) into ``binary``,
+    atomically, unless it is already there. Raises ThirdPartyUnavailable with the reason."""
+    if binary.exists():
+        return binary
+    if shutil.which("go") is None:
+        raise ThirdPartyUnavailable(f"Go not found: needed to build {package}")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    for argv in [*prepare, ["go", "build", "-trimpath", "-o", f"{binary}.tmp", package]]:
+        out = subprocess.run(argv, cwd=cwd, env=go_env(**env), capture_output=True, text=True,
+                             timeout=GO_BUILD_TIMEOUT_SECONDS, check=False)
+        if out.returncode != 0:
+            raise ThirdPartyUnavailable(f"`{' '.join(argv[:3])}` failed: {out.stderr.strip()[-500:]}")
+    os.replace(f"{binary}.tmp", binary)
+    print(f"built {binary.name} in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    return binary
 
 
 def _pinned(variable: str) -> str:

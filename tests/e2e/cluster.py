@@ -32,12 +32,11 @@ from typing import Any
 import requests
 
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, cache_dir
-from tests.third_party import SHARED_THIRD_PARTY, go_env
+from tests.third_party import SHARED_THIRD_PARTY, ThirdPartyUnavailable, go_build_cached
 
 HOOK_HOST = "noctaya-hooks.noctaya-system.svc"
 HOOK_PORT = 8080
 METACONTROLLER_TARBALL_GLOB = "metacontroller-src-*.tar.gz"
-BUILD_TIMEOUT_SECONDS = 1800
 
 
 def metacontroller_binary() -> Path:
@@ -46,8 +45,6 @@ def metacontroller_binary() -> Path:
     if not tarballs:
         raise KubeUnavailable(f"Metacontroller's source is not in {SHARED_THIRD_PARTY / 'metacontroller'} (no Go module "
                               "serves it; a copy of shared/ beside the clone provides it)")
-    if shutil.which("go") is None:
-        raise KubeUnavailable("Go not found: needed to build Metacontroller")
     tarball = tarballs[-1]
     version = tarball.name.removeprefix("metacontroller-src-").removesuffix(".tar.gz")
     root = cache_dir().parent / f"metacontroller-{version}"
@@ -60,15 +57,10 @@ def metacontroller_binary() -> Path:
     with tarfile.open(tarball) as tar:
         tar.extractall(src, filter="data")
     (module,) = [p.parent for p in src.glob("*/go.mod")]
-    env = go_env()
-    started = time.monotonic()
-    out = subprocess.run(["go", "build", "-o", str(binary) + ".tmp", "./pkg/cmd/metacontroller"], cwd=module, env=env,
-                         capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS, check=False)
-    if out.returncode != 0:
-        raise KubeUnavailable(f"building Metacontroller failed: {out.stderr.strip()[-500:]}")
-    os.replace(str(binary) + ".tmp", binary)
-    print(f"built Metacontroller {version} in {time.monotonic() - started:.0f}s", file=sys.stderr)
-    return binary
+    try:
+        return go_build_cached(binary, module, [], "./pkg/cmd/metacontroller")
+    except ThirdPartyUnavailable as exc:
+        raise KubeUnavailable(f"Metacontroller {version}: {exc}") from None
 
 
 def private_loopback_address() -> str:
@@ -147,14 +139,7 @@ class Cluster:
         self.kubectl("apply", "--server-side", "-f", str(Path(__file__).with_name("metacontroller-own-rbac.yaml")))
         token = self.kubectl("-n", "metacontroller", "create", "token", "metacontroller", "--duration=6h").stdout.strip()
         kubeconfig = self.workdir / "metacontroller.kubeconfig"
-        kubeconfig.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": [{"name": "test", "cluster": {"server": self.plane.url, "certificate-authority": str(self.plane.ca_file)}}],
-            "users": [{"name": "metacontroller", "user": {"token": token}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "metacontroller"}}],
-            "current-context": "test",
-        }))
-        kubeconfig.chmod(0o600)
+        self.plane.write_kubeconfig(kubeconfig, "metacontroller", token)
         hosts = self.workdir / "hosts"
         hosts.write_text(f"127.0.0.1 localhost\n{self.address} {HOOK_HOST}\n")
         argv = [str(self.metacontroller), f"--kubeconfig={kubeconfig}", "--discovery-interval=2s",

@@ -327,16 +327,20 @@ class ControlPlane:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def _write_kubeconfig(self) -> None:
+        self.write_kubeconfig(self.kubeconfig, "admin", self.token)
+
+    def write_kubeconfig(self, path: Path, user: str, token: str) -> None:
+        """A kubeconfig for this API server authenticating with ``token`` (readable by its owner only)."""
         config: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "test", "cluster": {"server": self.url, "certificate-authority": str(self.ca_file)}}],
-            "users": [{"name": "admin", "user": {"token": self.token}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "admin"}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
             "current-context": "test",
         }
-        self.kubeconfig.write_text(json.dumps(config))
-        self.kubeconfig.chmod(0o600)
+        path.write_text(json.dumps(config))
+        path.chmod(0o600)
 
     def stop(self) -> None:
         self._stop_processes()
