@@ -38,7 +38,7 @@ def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
 
 def _add_scaler_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """Flags of the gRPC ExternalScaler, shared by `aggregate` and `local`."""
-    parser.add_argument("--host", default="0.0.0.0", help="bind address")
+    parser.add_argument("--host", default=env.get("NOCTAYA_LISTEN_HOST") or "0.0.0.0", help="bind address")
     parser.add_argument("--scaler-port", type=int, default=_env_int(env, "NOCTAYA_SCALER_PORT", 9090))
     parser.add_argument("--scaling-target", type=int, default=_env_int(env, "NOCTAYA_SCALING_TARGET", 10))
     parser.add_argument("--metric-name", default=env.get("NOCTAYA_METRIC_NAME", "noctaya-demand"))

@@ -1,15 +1,20 @@
-"""Real Metacontroller and Noctaya's hook server against the test API server, on 127.0.0.1.
+"""A whole cluster on 127.0.0.1 for the lifecycle suite: the test API server, kube-controller-manager
+and kube-scheduler, kwok as the kubelet of a fake node, real Metacontroller, real KEDA's operator, and
+Noctaya's hook server; the Pods that run Noctaya's own image (gateways, aggregator) run as local
+processes (tests/e2e/pods.py).
 
 Metacontroller is built from the source tarball in ``../shared/third_party/metacontroller`` (no Go
 module serves it) into a cache directory outside the repository, and runs out of cluster as the
 ServiceAccount ``metacontroller/metacontroller`` with only the RBAC of ``metacontroller/rbac.yaml``
-(a token from the TokenRequest API, not the admin token), so a missing permission shows.
+(a token from the TokenRequest API, not the admin token), so a missing permission shows. kwok and
+KEDA's operator are built from their Go modules (tests/kube/gobuild.py).
 
-The controllers call the hooks at ``noctaya-hooks.noctaya-system.svc:8080`` exactly as installed.
-That name resolves to a private loopback address (127.77.x.y) only inside Metacontroller's own mount
-namespace, where a generated hosts file is bind-mounted over /etc/hosts (``unshare -m``): the
-machine's /etc/hosts is never touched, and the mount ends with the process. The hook server
-listens on that address, so port 8080 is free whatever else runs on the machine.
+Service names resolve as in a cluster (``noctaya-hooks.noctaya-system.svc``,
+``<svc>.<ns>.svc.cluster.local``), each to a private loopback address (127.77.x.y) of the process that
+plays its Pod, but only inside the mount namespaces of the processes that dial them (Metacontroller,
+KEDA, gateways), where the suite's hosts file is bind-mounted over /etc/hosts (``unshare -m``). The
+machine's /etc/hosts is never touched and the mounts end with the processes. Every process listens on
+an address of its own, so its usual ports are free whatever else runs on the machine.
 """
 
 from __future__ import annotations
@@ -63,17 +68,20 @@ def metacontroller_binary() -> Path:
         raise KubeUnavailable(f"Metacontroller {version}: {exc}") from None
 
 
-def private_loopback_address() -> str:
-    """A loopback address nobody else uses, with HOOK_PORT free on it."""
+def private_loopback_address(taken: set[str], port: int = HOOK_PORT) -> str:
+    """A loopback address nobody else uses (not in ``taken``, ``port`` free on it)."""
     for _ in range(50):
         address = f"127.77.{random.randint(1, 254)}.{random.randint(1, 254)}"
+        if address in taken:
+            continue
         with socket.socket() as probe:
             try:
-                probe.bind((address, HOOK_PORT))
+                probe.bind((address, port))
             except OSError:
                 continue
+        taken.add(address)
         return address
-    raise KubeUnavailable("no free private loopback address for the hook server")
+    raise KubeUnavailable("no free private loopback address")
 
 
 @dataclass
@@ -98,16 +106,51 @@ class Cluster:
         self.metacontroller = metacontroller
         self.workdir = plane.workdir / "e2e"
         self.workdir.mkdir()
-        self.address = private_loopback_address()
+        self._addresses: set[str] = set()
+        self.address = self.new_address()
         self.hook_token = os.urandom(24).hex()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._spawned: list[int] = []
+        self.hosts_file = self.workdir / "hosts"
+        self._hosts: dict[str, list[str]] = {HOOK_HOST: [self.address]}
+        self._write_hosts()
+
+    # --- names ----------------------------------------------------------------------------------
+
+    def new_address(self) -> str:
+        return private_loopback_address(self._addresses)
+
+    def publish(self, host: str, addresses: list[str]) -> None:
+        """Make ``host`` resolve to ``addresses`` for every process started with private hosts."""
+        self._hosts[host] = list(addresses)
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        lines = ["127.0.0.1 localhost"] + [f"{a} {host}" for host, addrs in sorted(self._hosts.items()) for a in addrs]
+        # Rewritten in place (same inode): the bind mounts of running processes see the change.
+        with open(self.hosts_file, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
 
     # --- processes ------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.workdir / f"{name}.log", "wb") as log:
-            self._procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                                 env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                    start_new_session=True)
+        self._procs[name] = proc
+        self._spawned.append(proc.pid)
+        return proc
+
+    def spawn_with_cluster_names(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start a process that resolves Service names: in a mount namespace of its own (unshare), the
+        suite's hosts file bind-mounted over /etc/hosts; the bind mount ends with the process."""
+        return self._spawn(name, ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                  'mount --bind "$0" /etc/hosts && exec "$@"', str(self.hosts_file), *argv], env)
+
+    def stop_process(self, name: str) -> None:
+        proc = self._procs.pop(name, None)
+        if proc is not None:
+            _terminate(proc)
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.workdir / f"{name}.log"
@@ -140,18 +183,75 @@ class Cluster:
         token = self.kubectl("-n", "metacontroller", "create", "token", "metacontroller", "--duration=6h").stdout.strip()
         kubeconfig = self.workdir / "metacontroller.kubeconfig"
         self.plane.write_kubeconfig(kubeconfig, "metacontroller", token)
-        hosts = self.workdir / "hosts"
-        hosts.write_text(f"127.0.0.1 localhost\n{self.address} {HOOK_HOST}\n")
         argv = [str(self.metacontroller), f"--kubeconfig={kubeconfig}", "--discovery-interval=2s",
                 "--cache-flush-interval=30m", "--health-probe-bind-address=0", "--metrics-address=0",
                 "--zap-log-level=4"]
-        # unshare: a private mount namespace; the bind mount (and so the name) exists only there.
-        self._spawn("metacontroller", ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                                       'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv])
-        time.sleep(1.0)
-        proc = self._procs["metacontroller"]
+        self.spawn_with_cluster_names("metacontroller", argv)
+        self._still_running("metacontroller", after=1.0)
+
+    def _still_running(self, name: str, after: float) -> None:
+        time.sleep(after)
+        proc = self._procs[name]
         if proc.poll() is not None:
-            raise RuntimeError(f"metacontroller exited with {proc.returncode}: {self.log_tail('metacontroller')}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
+
+    def start_kube_controllers(self) -> None:
+        """kube-controller-manager (Deployments → ReplicaSets → Pods, garbage collection, node
+        lifecycle) and kube-scheduler, as the admin: they are the cluster, not what is tested."""
+        kubeconfig = str(self.plane.kubeconfig)
+        pki = self.plane.workdir / "pki"
+        bin_dir = self.plane.bin_dir
+        self._spawn("kube-controller-manager", [
+            str(bin_dir / "kube-controller-manager"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            "--secure-port=0", f"--root-ca-file={pki / 'ca.crt'}",
+            f"--service-account-private-key-file={pki / 'sa.key'}", "--use-service-account-credentials=false",
+            "--controllers=*,-bootstrapsigner,-tokencleaner", "--v=1"])
+        self._spawn("kube-scheduler", [
+            str(bin_dir / "kube-scheduler"), f"--kubeconfig={kubeconfig}", "--leader-elect=false",
+            "--secure-port=0", "--v=1"])
+        self._still_running("kube-controller-manager", after=0.5)
+        self._still_running("kube-scheduler", after=0.0)
+
+    def start_kwok(self, kwok: Path, node: str = "e2e-node-1") -> None:
+        """kwok as the kubelet of one fake node (stages: tests/e2e/kwok-stages.yaml), and that node."""
+        self._spawn("kwok", [
+            str(kwok), f"--kubeconfig={self.plane.kubeconfig}", f"--config={Path(__file__).with_name('kwok-stages.yaml')}",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--node-lease-duration-seconds=40",
+            "--server-address=", "--node-ip=10.200.0.1", "--cidr=10.244.0.0/16"])
+        self._still_running("kwok", after=0.5)
+        self.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": {"kubernetes.io/hostname": node, "type": "kwok"}},
+        }))
+        self.wait_api(f"node {node} Ready", lambda: _ready(self.get("node", node)), log="kwok")
+
+    def start_keda(self, operator: Path) -> None:
+        """KEDA's operator (ScaledObject controller, scale 0↔1, the HPA for 1↔N), as the admin: KEDA's
+        own RBAC is KEDA's install, not Noctaya's. It dials the scalers by their Service names."""
+        certs = self.workdir / "keda-certs"
+        certs.mkdir()
+        _self_signed(certs, "keda-operator.keda.svc")
+        kubeconfig = self.workdir / "keda.kubeconfig"
+        self.plane.write_kubeconfig(kubeconfig, "keda", self.plane.token)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "KUBECONFIG": str(kubeconfig),
+               "WATCH_NAMESPACE": "", "POD_NAMESPACE": "keda", "KEDA_CLUSTER_OBJECT_NAMESPACE": "keda",
+               "KEDA_HTTP_DEFAULT_TIMEOUT": "3000"}
+        self.kubectl("create", "namespace", "keda")
+        self.spawn_with_cluster_names("keda-operator", [
+            str(operator), "--leader-elect=false", "--metrics-bind-address=0", "--health-probe-bind-address=0",
+            f"--metrics-service-bind-address={self.new_address()}:9666", f"--cert-dir={certs}",
+            "--enable-webhook-patching=false", "--enable-apiservice-patching=false", f"--ca-dir={certs}",
+            "--zap-log-level=info", "--zap-encoder=console"], env)
+        self._still_running("keda-operator", after=2.0)
+
+    def wait_api(self, what: str, check: Callable[[], bool], log: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if check():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{what}: not within {timeout}s: {self.log_tail(log)}")
 
     def _wait(self, check: Callable[[], bool], what: str, log: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -169,22 +269,24 @@ class Cluster:
 
     def stop(self) -> None:
         for _name, proc in reversed(list(self._procs.items())):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(20)
+            _terminate(proc)
         self._procs.clear()
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs.values()]
+        """Every process the suite started, running or not."""
+        return list(self._spawned)
 
     # --- client ---------------------------------------------------------------------------------
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.plane.kubectl(*args, stdin=stdin, check=check)
+
+    def api(self, path: str) -> dict[str, Any]:
+        """GET an API path as the admin (cheaper than a kubectl process for frequent polls)."""
+        resp = requests.get(f"{self.plane.url}{path}", headers={"Authorization": f"Bearer {self.plane.token}"},
+                            verify=str(self.plane.ca_file), timeout=10)
+        resp.raise_for_status()
+        return resp.json()
 
     def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         ns = ["-n", namespace] if namespace else []
@@ -201,3 +303,39 @@ class Cluster:
                 hook = labels.split('hook="', 1)[1].split('"', 1)[0]
                 calls[hook] = calls.get(hook, 0.0) + float(value)
         return calls
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(20)
+
+
+def _ready(obj: dict[str, Any] | None) -> bool:
+    conds = ((obj or {}).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def _self_signed(directory: Path, host: str) -> None:
+    """tls.crt/tls.key/ca.crt for a server that insists on a certificate (KEDA's metrics gRPC service)."""
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={host}",
+                    "-addext", f"subjectAltName=DNS:{host}", "-keyout", "tls.key", "-out", "tls.crt"],
+                   cwd=directory, check=True, capture_output=True, timeout=60)
+    shutil.copy(directory / "tls.crt", directory / "ca.crt")
+
+
+def private_listeners() -> list[str]:
+    """Listening TCP sockets on the suite's private loopback range (127.77.0.0/16), as ip:port."""
+    found = []
+    with open("/proc/net/tcp") as fh:
+        for line in fh.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            ip_hex, port_hex = local.split(":")
+            ip = ".".join(str(b) for b in reversed(bytes.fromhex(ip_hex)))
+            if state == "0A" and ip.startswith("127.77."):
+                found.append(f"{ip}:{int(port_hex, 16)}")
+    return found

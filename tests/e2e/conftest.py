@@ -1,9 +1,11 @@
-"""One real lifecycle environment for tests/e2e: API server, Noctaya installed as a user installs it,
-the hook server and real Metacontroller (see cluster.py). KEDA's CRDs are installed by the tests
-themselves, later than the controllers, as happens on real clusters.
+"""One real lifecycle environment for tests/e2e: API server, kube-controller-manager, kube-scheduler,
+kwok's fake node, Noctaya installed as a user installs it, the hook server and real Metacontroller
+(see cluster.py). KEDA's CRDs are installed by the tests themselves, later than the controllers, as
+happens on real clusters; KEDA's operator starts with the scale-from-zero tests.
 
 `make e2e` runs these; `make test` skips them (NOCTAYA_E2E unset) so the default suite stays short.
 Without Go, the shared/ copy of Metacontroller's source, or `unshare`, they skip with the reason.
+First builds (Go, cached outside the repository) are timed in docs/install.md.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary
+from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary, private_listeners
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
 from tests.kube.conftest import crd_names, wait_established
+from tests.kube.gobuild import kwok_binary
 from tests.third_party import metacontroller_crds
 
 
@@ -35,6 +38,7 @@ def cluster() -> Iterator[Cluster]:
     try:
         bin_dir = ensure_binaries()
         mc = metacontroller_binary()
+        kwok = kwok_binary()
     except KubeUnavailable as exc:
         pytest.skip(str(exc))
     if shutil.which("unshare") is None:
@@ -50,15 +54,18 @@ def cluster() -> Iterator[Cluster]:
         plane.kubectl("apply", "--server-side", *args)
         wait_established(plane, crd_names(plane, *files))
         env = Cluster(plane, mc)
+        env.start_kube_controllers()
+        env.start_kwok(kwok)
         plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
         plane.kubectl("-n", "noctaya-system", "create", "secret", "generic", "noctaya-hooks",
                       f"--from-literal=hook-token={env.hook_token}", f"--from-literal=token-key={os.urandom(16).hex()}")
         env.start_hook_server()
         env.start_metacontroller()
-        pids = env.pids() + [proc.pid for _name, proc in plane._procs]
+        pids = [proc.pid for _name, proc in plane._procs]
         yield env
     finally:
         if env is not None:
+            pids += env.pids()
             env.stop()
         plane.stop()
     # Nothing left behind: no process, no files outside the caches, the machine's hosts file as it was
@@ -66,6 +73,7 @@ def cluster() -> Iterator[Cluster]:
     alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
     assert not alive, f"processes left running: {alive}"
     assert not plane.workdir.exists(), f"{plane.workdir} left behind"
+    assert not private_listeners(), f"ports still listening: {private_listeners()}"
     assert Path("/etc/hosts").read_bytes() == hosts_before, "/etc/hosts changed"
     with open("/proc/self/mountinfo") as fh:
         assert " /etc/hosts " not in fh.read(), "a mount over /etc/hosts is visible outside the suite"

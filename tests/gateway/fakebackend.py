@@ -181,7 +181,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class FakeBackend:
-    def __init__(self, port: int | None = None, readiness_path: str = "/health") -> None:
+    def __init__(self, port: int | None = None, readiness_path: str = "/health", host: str = "127.0.0.1") -> None:
+        self.host = host
         self.port = port or free_port()
         self.readiness_path = readiness_path
         self.ready = True
@@ -199,7 +200,7 @@ class FakeBackend:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -227,7 +228,7 @@ class FakeBackend:
         deadline = time.monotonic() + 10
         while True:
             try:
-                server = _Server(("127.0.0.1", self.port), _Handler)
+                server = _Server((self.host, self.port), _Handler)
                 break
             except OSError:
                 if time.monotonic() > deadline:

@@ -28,7 +28,7 @@ import requests
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTENV_DIR = REPO_ROOT / "tools" / "kube-testenv"
 BUILD_SCRIPT = TESTENV_DIR / "build.sh"
-BINARIES = ("etcd", "kube-apiserver", "kubectl")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 
 # First build on a 2-core machine takes several minutes; a hung build must still end.
 BUILD_TIMEOUT_SECONDS = 3600
@@ -80,7 +80,8 @@ def _built(bin_dir: Path) -> bool:
 
 
 def ensure_binaries() -> Path:
-    """The directory holding etcd, kube-apiserver and kubectl; builds them on first use.
+    """The directory holding etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl;
+    builds them on first use.
 
     Raises KubeUnavailable (a skip reason) when NOCTAYA_SKIP_KUBE=1, when Go is missing, or when
     the build fails.

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable
-from tests.kube.helm import helm_binary
+from tests.kube.gobuild import helm_binary
 
 CHART = REPO_ROOT / "charts" / "noctaya"
 NAMESPACE = "noctaya-system"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds etcd, kube-apiserver and kubectl from their published Go modules into a cache directory
-# outside the repository, for the tests in tests/kube/. Idempotent: exits at once when the
-# binaries for the pinned versions already exist.
+# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kubectl from their
+# published Go modules into a cache directory outside the repository, for the tests in tests/kube/
+# and tests/e2e/. Idempotent: exits at once when the binaries for the pinned versions already
+# exist, and builds only the missing ones otherwise.
 #
 #   tools/kube-testenv/build.sh          # build if needed, print the bin directory
 #   NOCTAYA_KUBE_CACHE=/some/dir build.sh  # use another cache directory
@@ -14,12 +15,22 @@ source "$here/versions.env"
 
 cache="${NOCTAYA_KUBE_CACHE:-${HOME}/.cache/noctaya-kube/k8s-${K8S_VERSION}-etcd-${ETCD_VERSION}}"
 bin="$cache/bin"
-binaries=(etcd kube-apiserver kubectl)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl)
 
 all_built() {
   local b
   for b in "${binaries[@]}"; do [[ -x "$bin/$b" ]] || return 1; done
   [[ "$(cat "$bin/.versions" 2>/dev/null)" == "${K8S_VERSION} ${ETCD_VERSION}" ]]
+}
+
+# The binaries still to build: all of them after a version bump, else only those missing.
+missing() {
+  local b
+  if [[ "$(cat "$bin/.versions" 2>/dev/null)" != "${K8S_VERSION} ${ETCD_VERSION}" ]]; then
+    echo "${binaries[@]}"
+    return
+  fi
+  for b in "${binaries[@]}"; do [[ -x "$bin/$b" ]] || echo -n "$b "; done
 }
 
 if all_built; then
@@ -57,12 +68,19 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
   k8s_ldflags+=" -X ${pkg}.gitTreeState=clean -X ${pkg}.buildDate=1970-01-01T00:00:00Z"
 done
 
-echo "build.sh: building kube-apiserver and kubectl ${K8S_VERSION}, etcd ${ETCD_VERSION} into $bin" >&2
-(cd "$here/k8s" && go build -ldflags="$k8s_ldflags" -o "$tmp/" \
-  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl)
-(cd "$here/etcd" && go build -ldflags="-s -w" -o "$tmp/etcd" .)
+read -r -a todo <<< "$(missing)"
+rm -f "$bin/.versions"
+echo "build.sh: building ${todo[*]} (kubernetes ${K8S_VERSION}, etcd ${ETCD_VERSION}) into $bin" >&2
+k8s_pkgs=()
+for b in "${todo[@]}"; do [[ "$b" == etcd ]] || k8s_pkgs+=("k8s.io/kubernetes/cmd/$b"); done
+if (( ${#k8s_pkgs[@]} )); then
+  (cd "$here/k8s" && go build -ldflags="$k8s_ldflags" -o "$tmp/" "${k8s_pkgs[@]}")
+fi
+if [[ " ${todo[*]} " == *" etcd "* ]]; then
+  (cd "$here/etcd" && go build -ldflags="-s -w" -o "$tmp/etcd" .)
+fi
 
-for b in "${binaries[@]}"; do mv -f "$tmp/$b" "$bin/$b"; done
+for b in "${todo[@]}"; do mv -f "$tmp/$b" "$bin/$b"; done
 echo "${K8S_VERSION} ${ETCD_VERSION}" > "$bin/.versions"
 echo "build.sh: built in $(( $(date +%s) - start ))s" >&2
 echo "$bin"

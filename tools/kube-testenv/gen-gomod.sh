@@ -23,6 +23,8 @@ k8s_mod="$(go mod download -json "k8s.io/kubernetes@${K8S_VERSION}" | sed -n 's/
   echo
   echo "tool ("
   echo "	k8s.io/kubernetes/cmd/kube-apiserver"
+  echo "	k8s.io/kubernetes/cmd/kube-controller-manager"
+  echo "	k8s.io/kubernetes/cmd/kube-scheduler"
   echo "	k8s.io/kubernetes/cmd/kubectl"
   echo ")"
   echo

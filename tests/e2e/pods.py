@@ -1,0 +1,196 @@
+"""The Pods of the lifecycle suite that do real work, run on this machine (there is no container runtime).
+
+- ``LocalPods`` plays the kubelet for a Deployment the hooks rendered in Noctaya's own image (gateway,
+  aggregator): it reads the Deployment from the API server and starts one process per replica with
+  that Deployment's command, env and Secret volumes (written to files, their mount paths rewritten),
+  each on a private loopback address, and makes every Service selecting those Pods resolve to them.
+  So what is tested is the rendered Deployment, not a hand-written command line.
+- ``ModelServer`` is the backend: a small OpenAI-compatible server that listens exactly while the
+  backend Deployment has a Ready Pod (as kwok reports it), so a cold request really waits for KEDA →
+  Deployment → ReplicaSet → scheduler → kwok → gateway readiness.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from tests.e2e.cluster import Cluster, Timeline
+from tests.gateway.fakebackend import FakeBackend
+from tests.kube.apiserver import REPO_ROOT
+
+CLUSTER_DOMAIN = "cluster.local"
+POLL_SECONDS = 0.1
+
+
+def service_hosts(name: str, namespace: str) -> list[str]:
+    return [f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}", f"{name}.{namespace}.svc"]
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+class LocalPods:
+    """The replicas of one Deployment in Noctaya's image, as local processes (see the module doc)."""
+
+    def __init__(self, cluster: Cluster, namespace: str, deployment: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.deployment = deployment
+        self.addresses: list[str] = []
+        self._names: list[str] = []
+
+    def start(self, replicas: int | None = None) -> LocalPods:
+        obj = self.cluster.get("deployment", self.deployment, self.namespace)
+        assert obj is not None, f"deployment {self.namespace}/{self.deployment} does not exist"
+        spec = obj["spec"]["template"]["spec"]
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        (container,) = spec["containers"]
+        count = obj["spec"].get("replicas", 1) if replicas is None else replicas
+        for index in range(count):
+            self._start_one(index, container, spec.get("volumes") or [])
+        for svc in self.cluster.api(f"/api/v1/namespaces/{self.namespace}/services")["items"]:
+            if selects(svc["spec"].get("selector") or {}, labels):
+                for host in service_hosts(svc["metadata"]["name"], self.namespace):
+                    self.cluster.publish(host, self.addresses)
+        return self
+
+    def _start_one(self, index: int, container: dict[str, Any], volumes: list[dict[str, Any]]) -> None:
+        name = f"{self.deployment}-{index}"
+        address = self.cluster.new_address()
+        root = self.cluster.workdir / "pods" / self.namespace / name
+        mounts: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            (volume,) = [v for v in volumes if v["name"] == mount["name"]]
+            local = root / mount["name"]
+            local.mkdir(parents=True)
+            if "secret" in volume:
+                self._write_secret(volume["secret"], local)
+            mounts[mount["mountPath"]] = local
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(mounts.get("/tmp", root)),
+               "NOCTAYA_LISTEN_HOST": address}
+        for var in container.get("env") or []:
+            assert "valueFrom" not in var, f"{name}: env {var['name']} uses valueFrom, which LocalPods does not resolve"
+            env[var["name"]] = _rewrite(var["value"], mounts)
+        command = [*container.get("command", []), *container.get("args", [])]
+        assert command[:2] == ["python", "-m"], f"{name}: not Noctaya's image command: {command}"
+        self.cluster.spawn_with_cluster_names(name, [sys.executable, *command[1:]], env)
+        self.addresses.append(address)
+        self._names.append(name)
+
+    def _write_secret(self, volume: dict[str, Any], target: Path) -> None:
+        secret = self.cluster.get("secret", volume["secretName"], self.namespace)
+        assert secret is not None, f"secret {volume['secretName']} missing"
+        data = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+        items = volume.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            path = target / item["path"]
+            path.write_bytes(data[item["key"]])
+            path.chmod(0o400)
+
+    def wait_http(self, port: int, path: str = "/healthz", timeout: float = 30.0) -> None:
+        """Until every replica answers ``path`` on ``port`` (the gateway's liveness endpoint)."""
+        for name, address in zip(self._names, self.addresses, strict=True):
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    if requests.get(f"http://{address}:{port}{path}", timeout=2).status_code < 500:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} not answering {path} on {address}:{port}: {self.cluster.log_tail(name)}")
+                time.sleep(0.1)
+
+    def url(self, index: int = 0, port: int = 8080) -> str:
+        return f"http://{self.addresses[index]}:{port}"
+
+    def stop(self) -> None:
+        for name in self._names:
+            self.cluster.stop_process(name)
+        self._names.clear()
+
+
+class ModelServer:
+    """An OpenAI-compatible backend listening exactly while a backend Pod is Ready (see the module doc).
+
+    ``pods_seen`` counts every backend Pod that ever existed, and ``events`` records when the server
+    went up and down, for the assertions and the timeline."""
+
+    def __init__(self, cluster: Cluster, namespace: str, service: str, port: int, timeline: Timeline) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.selector = f"serving.noctaya.io/llmservice={service},serving.noctaya.io/component=backend"
+        self.timeline = timeline
+        self.address = cluster.new_address()
+        self.backend = FakeBackend(port=port, host=self.address)
+        self.pods_seen: set[str] = set()
+        self.up_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"model-server-{service}", daemon=True)
+        for host in service_hosts(f"{service}-backend", namespace):
+            cluster.publish(host, [self.address])
+
+    def start(self) -> ModelServer:
+        self._thread.start()
+        return self
+
+    def ready_pods(self) -> list[str]:
+        pods = self.cluster.api(f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={self.selector}")["items"]
+        ready = []
+        for pod in pods:
+            self.pods_seen.add(pod["metadata"]["name"])
+            conds = (pod.get("status") or {}).get("conditions") or []
+            if not pod["metadata"].get("deletionTimestamp") and any(
+                    c["type"] == "Ready" and c["status"] == "True" for c in conds):
+                ready.append(pod["metadata"]["name"])
+        return ready
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ready = self.ready_pods()
+            except requests.RequestException:
+                ready = []
+            if ready and not self.backend.running:
+                self.backend.start()
+                self.up_at = time.monotonic()
+                self.timeline.note(f"model server up: backend Pod {ready[0]} Ready")
+            elif not ready and self.backend.running:
+                self.backend.stop()
+                self.up_at = None
+                self.timeline.note("model server down: no Ready backend Pod")
+            self._stop.wait(POLL_SECONDS)
+
+    def pod_states(self) -> list[str]:
+        """name:phase:ready:container state of every backend Pod, for the timeline."""
+        out = []
+        for pod in self.cluster.api(f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={self.selector}")["items"]:
+            status = pod.get("status") or {}
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+            states = [next(iter(cs.get("state") or {"?": {}})) + ":" + str(next(iter((cs.get("state") or {}).values()), {}).get("reason", ""))
+                      for cs in status.get("containerStatuses") or []]
+            gone = "(deleting)" if pod["metadata"].get("deletionTimestamp") else ""
+            out.append(f"{pod['metadata']['name'][-5:]}:{status.get('phase')}:{'Ready' if ready else 'NotReady'}:{','.join(states)}{gone}")
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(10)
+        if self.backend.running:
+            self.backend.stop()
+
+
+def _rewrite(value: str, mounts: dict[str, Path]) -> str:
+    for mount_path in sorted(mounts, key=len, reverse=True):
+        if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+            return str(mounts[mount_path]) + value[len(mount_path):]
+    return value
