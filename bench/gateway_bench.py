@@ -84,10 +84,12 @@ class Gateway:
     def __init__(self, backend_url: str, cpus: str = CPU0, **env: str) -> None:
         self.port = free_port()
         self.scaler_port = free_port()
+        self.admin_port = free_port()
         full = {
             **os.environ, "PYTHONPATH": str(ROOT),
             "NOCTAYA_BACKEND_URL": backend_url, "NOCTAYA_SERVED_MODEL_NAME": "bench",
             "NOCTAYA_LISTEN_HOST": "127.0.0.1", "NOCTAYA_LISTEN_PORT": str(self.port),
+            "NOCTAYA_ADMIN_PORT": str(self.admin_port),
             "NOCTAYA_SCALER_MODE": "local", "NOCTAYA_SCALER_PORT": str(self.scaler_port),
             "NOCTAYA_LOG_LEVEL": "warning", "NOCTAYA_GATEWAY_WORKERS": "1", **env,
         }
@@ -127,7 +129,7 @@ class Gateway:
             pass
 
     def queue_state(self) -> dict:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        conn = http.client.HTTPConnection("127.0.0.1", self.admin_port, timeout=5)
         try:
             conn.request("GET", "/noctaya/queue")
             return json.loads(conn.getresponse().read())

@@ -255,10 +255,11 @@ def main() -> int:
     try:
         answer = render_through_hooks(procs, service, runtime)
         env = gateway_env(answer)
-        gw_port, scaler_port, backend_port = free_port(), free_port(), free_port()
+        gw_port, scaler_port, backend_port, admin_port = free_port(), free_port(), free_port(), free_port()
         model = env["NOCTAYA_SERVED_MODEL_NAME"]
         env.update(
             NOCTAYA_LISTEN_PORT=str(gw_port),
+            NOCTAYA_ADMIN_PORT=str(admin_port),
             NOCTAYA_SCALER_PORT=str(scaler_port),
             NOCTAYA_BACKEND_URL=f"http://127.0.0.1:{backend_port}",
             # Demo-sized timings: a short grace so the lease ends soon after the answer.
@@ -293,7 +294,7 @@ def main() -> int:
             if chunk.choices and chunk.choices[0].delta.content:
                 text.append(chunk.choices[0].delta.content)
         say("client", f"answer: {''.join(text)!r}")
-        queue = requests.get(f"http://127.0.0.1:{gw_port}/noctaya/queue", timeout=2).json()
+        queue = requests.get(f"http://127.0.0.1:{admin_port}/noctaya/queue", timeout=2).json()
         say("gateway", f"/noctaya/queue → {json.dumps(queue)}")
         say("client", "warm request (non-streamed)")
         warm_start = time.monotonic()
@@ -304,7 +305,7 @@ def main() -> int:
         if not standin.scaled_to_zero.wait(60 + args.cooldown):
             say("demo", "backend did not scale to zero in time")
             return 1
-        queue = requests.get(f"http://127.0.0.1:{gw_port}/noctaya/queue", timeout=2).json()
+        queue = requests.get(f"http://127.0.0.1:{admin_port}/noctaya/queue", timeout=2).json()
         say("gateway", f"/noctaya/queue → lease {queue['lease']['state']}, demand {json.dumps(queue['demand'])}")
         models = [m.id for m in client.models.list().data]
         say("client", f"GET /v1/models at zero → {models} (the gateway still answers; nothing woke)")

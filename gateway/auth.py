@@ -10,11 +10,13 @@ from __future__ import annotations
 import hmac
 import logging
 
+from scaler.secretfiles import MAX_SECRET_FILE_BYTES, read_secret_file
+
 __all__ = ["KeyFileAuthenticator", "MAX_KEY_FILE_BYTES"]
 
 log = logging.getLogger("noctaya.gateway.auth")
 
-MAX_KEY_FILE_BYTES = 4096  # a key, not a document: bounds the per-request read
+MAX_KEY_FILE_BYTES = MAX_SECRET_FILE_BYTES
 
 
 class KeyFileAuthenticator:
@@ -23,21 +25,12 @@ class KeyFileAuthenticator:
         self._warned = False
 
     def _expected_key(self) -> bytes | None:
-        try:
-            with open(self.key_file, "rb") as fh:
-                raw = fh.read(MAX_KEY_FILE_BYTES + 1)
-        except OSError as exc:
+        key = read_secret_file(self.key_file)
+        if key is None:
             if not self._warned:
-                log.warning("auth key file unreadable; rejecting all requests",
-                            extra={"errno": exc.errno})
+                log.warning("auth key file missing, empty or larger than %d bytes; rejecting all requests",
+                            MAX_KEY_FILE_BYTES)
                 self._warned = True
-            return None
-        if len(raw) > MAX_KEY_FILE_BYTES:
-            log.warning("auth key file larger than %d bytes; rejecting all requests", MAX_KEY_FILE_BYTES)
-            return None
-        key = raw.strip()
-        if not key:
-            log.warning("auth key file is empty; rejecting all requests")
             return None
         self._warned = False
         return key

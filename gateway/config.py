@@ -27,6 +27,7 @@ class GatewayConfig:
     served_model_name: str
     listen_host: str = "0.0.0.0"
     listen_port: int = 8080
+    admin_port: int = 9092
     readiness_path: str = "/health"
     max_queue: int = 100
     cold_mode: str = "keepalive"
@@ -44,6 +45,7 @@ class GatewayConfig:
     metric_name: str = "noctaya-demand"
     aggregator_url: str | None = None
     aggregator_token_file: str | None = None
+    aggregator_previous_token_file: str | None = None
     scaler_tls_cert_file: str | None = None
     scaler_tls_key_file: str | None = None
     scaler_tls_ca_file: str | None = None
@@ -161,6 +163,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "served_model_name": _text,
     "listen_host": _text,
     "listen_port": _port,
+    "admin_port": _port,
     "readiness_path": _path,
     "max_queue": _pos_int,
     "cold_mode": _choice("keepalive", "reject"),
@@ -178,6 +181,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "metric_name": _text,
     "aggregator_url": _text,
     "aggregator_token_file": _text,
+    "aggregator_previous_token_file": _text,
     "scaler_tls_cert_file": _text,
     "scaler_tls_key_file": _text,
     "scaler_tls_ca_file": _text,
@@ -197,6 +201,7 @@ _HELP = {
     "served_model_name": "model id answered by GET /v1/models while cold (required)",
     "max_queue": "bound on waiting + in-flight requests",
     "cold_mode": "keepalive (hold with SSE heartbeats) or reject (503 + Retry-After)",
+    "admin_port": "port of /metrics and /noctaya/queue (and /healthz); the public port serves only /v1 and /healthz",
     "auth_key_file": "client API key file (mounted Secret key), reread per request; unset = no auth",
     "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
@@ -249,6 +254,12 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     for required in ("backend_url", "served_model_name"):
         if required not in values:
             raise ConfigError(f"{env_name(required)} (or {flag_name(required)}) is required")
+    if "max_held_body_bytes" not in values:
+        # From the container's memory limit: held bodies alone must never OOM-kill the gateway.
+        from gateway.cgroup import cgroup_root, held_body_budget
+
+        max_body = values.get("max_body_bytes", GatewayConfig.max_body_bytes)
+        values["max_held_body_bytes"] = held_body_budget(max_body, environ.get("NOCTAYA_CGROUP_ROOT") or cgroup_root())
     config = GatewayConfig(**values)
     if config.scaler_mode == "report" and not (config.aggregator_url and config.aggregator_token_file):
         raise ConfigError(

@@ -308,7 +308,14 @@ def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"",
     sock = conn.sock
     conn.deadline = clock() + conn.idle_timeout
     try:
-        send_all(sock, head + body if body else head)
+        if body and len(body) <= SMALL_BODY_BYTES:
+            send_all(sock, head + body)  # one write for the usual small request
+        else:
+            # A held body is never copied to prepend the head: when a backend wakes, every held
+            # request is forwarded at once, and copies would double the memory held bodies use.
+            send_all(sock, head)
+            if body:
+                send_all(sock, body)
         if rest is not None:
             for piece in rest:
                 conn.deadline = clock() + conn.idle_timeout

@@ -151,10 +151,12 @@ class GatewayApp:
                 conn.respond(503, b'{"status":"draining"}')
                 return True
             return self._ok(conn, b'{"status":"ok"}')
-        if path == "/metrics":
-            return self._ok(conn, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
-        if path == "/noctaya/queue":
-            return self._ok(conn, self.queue_json())
+        if conn.admin:  # the admin port: monitoring and operators, never the OpenAI API
+            if path == "/metrics":
+                return self._ok(conn, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
+            if path == "/noctaya/queue":
+                return self._ok(conn, self.queue_json())
+            return self._error(conn, "not_found")
         if not (path == "/v1" or path.startswith("/v1/")) or self._has_dot_segment(path):
             return self._error(conn, "not_found")
         if self.draining:
@@ -189,6 +191,7 @@ class GatewayApp:
             "inFlight": int(pod.total(IN_FLIGHT)),
             "maxQueue": pod.max_queue,
             "heldBytes": pod.held_bytes,
+            "heldBytesLimit": self.config.max_held_body_bytes,
             "workers": pod.workers,
             "perWorker": pod.per_worker(),
             "lease": {

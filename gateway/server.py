@@ -37,6 +37,7 @@ log = logging.getLogger("noctaya.gateway")
 
 WATCHDOG_SECONDS = 0.25
 LAZY_WATCH_SECONDS = 0.25
+ADMIN_MAX_CONNECTIONS = 64  # concurrent connections on the admin port (scrapes, operators), per worker
 JSON = b"application/json"
 MAX_REQUEST_ID = 128
 
@@ -79,11 +80,12 @@ class ClientConnection:
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
                  "waiting_since", "upstream", "watching", "gone", "wake", "message_done", "request_id",
-                 "version", "hub", "reader", "__weakref__")
+                 "version", "hub", "reader", "admin", "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], admin: bool = False) -> None:
         self.sock = sock
+        self.admin = admin  # accepted on the admin port: /metrics and /noctaya/queue, never /v1
         self.raw: std_socket.socket = sock._sock
         self.peer = peer
         self.peer_bytes = peer.encode()
@@ -315,25 +317,36 @@ class GatewayServer:
     one hub thread."""
 
     def __init__(self, app: GatewayApp, listener: std_socket.socket, *, max_connections: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, admin_listener: std_socket.socket | None = None) -> None:
         self.app = app
         self.clock = clock
         self.idle_timeout = app.config.client_idle_timeout_seconds
         self.connections: set[ClientConnection] = set()
         self.server = StreamServer(listener, self._handle, spawn=gevent.pool.Pool(max_connections))
+        # Scrapes get slots of their own: a full public port must not blind monitoring, nor the reverse.
+        self.admin_server = None if admin_listener is None else StreamServer(
+            admin_listener, self._handle_admin, spawn=gevent.pool.Pool(ADMIN_MAX_CONNECTIONS))
         self._greenlets: list[gevent.Greenlet] = []
 
     @property
     def port(self) -> int:
         return self.server.server_port
 
+    @property
+    def admin_port(self) -> int | None:
+        return None if self.admin_server is None else self.admin_server.server_port
+
     def start(self) -> None:
         self.server.start()
+        if self.admin_server is not None:
+            self.admin_server.start()
         self._greenlets = [gevent.spawn(self.app.activation.prober.run), gevent.spawn(self._watchdog)]
 
     def stop(self, timeout: float = 1.0) -> None:
         self.app.activation.prober.stop()
         self.server.close()
+        if self.admin_server is not None:
+            self.admin_server.close()
         deadline = self.clock() + timeout
         while self.connections and self.clock() < deadline:
             gevent.sleep(0.02)
@@ -342,13 +355,16 @@ class GatewayServer:
         gevent.killall(self._greenlets, block=False)
         self.app.pool.close()
 
-    def _handle(self, sock: gevent.socket.socket, address: Any) -> None:
+    def _handle_admin(self, sock: gevent.socket.socket, address: Any) -> None:
+        self._handle(sock, address, admin=True)
+
+    def _handle(self, sock: gevent.socket.socket, address: Any, admin: bool = False) -> None:
         try:
             sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
         except OSError:
             pass
         peer = address[0] if isinstance(address, tuple) else ""
-        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock)
+        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin)
         self.connections.add(conn)
         try:
             serve_connection(self.app, conn)

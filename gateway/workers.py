@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import gevent
 
+from gateway.cgroup import cgroup_root, default_workers
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.drain import Drainer
 from gateway.logs import configure_logging
@@ -35,6 +36,7 @@ from gateway.routes import GatewayApp
 from gateway.server import GatewayServer, listen_socket, reseed_request_ids
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
+from scaler.secretfiles import exit_if_a_secret_is_missing
 
 __all__ = ["main", "default_workers", "run_worker"]
 
@@ -44,29 +46,6 @@ RESTART_BACKOFF_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0)
 KILL_MARGIN_SECONDS = 10.0
 GC_THRESHOLD = 50_000  # after the drain grace: workers still alive are killed
 _PR_SET_PDEATHSIG = 1
-
-
-def default_workers(cgroup_root: str = "/sys/fs/cgroup") -> int:
-    """The container's CPU limit in whole cores (cgroup v2 ``cpu.max``, else v1 quota), at least 1.
-    Without a limit: 1 (the gateway's CPU request is small; set the variable to use more)."""
-    try:
-        with open(os.path.join(cgroup_root, "cpu.max")) as fh:
-            quota, period = fh.read().split()[:2]
-        if quota != "max":
-            return max(1, int(quota) // int(period))
-        return 1
-    except (OSError, ValueError):
-        pass
-    try:
-        with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us")) as fh:
-            quota_us = int(fh.read())
-        with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as fh:
-            period_us = int(fh.read())
-        if quota_us > 0:
-            return max(1, quota_us // period_us)
-    except (OSError, ValueError):
-        pass
-    return 1
 
 
 def raise_file_limit() -> int:
@@ -83,12 +62,16 @@ def raise_file_limit() -> int:
     return soft
 
 
-def run_worker(config: GatewayConfig, pod: PodState, index: int, listener: std_socket.socket) -> int:
+Listeners = tuple[std_socket.socket, std_socket.socket]  # (public, admin) of one worker
+
+
+def run_worker(config: GatewayConfig, pod: PodState, index: int, listeners: Listeners) -> int:
     """Body of a forked worker: serve until SIGTERM has drained it."""
     gevent.reinit()
     reseed_request_ids()  # forked workers must not hand out the same ids
     app = GatewayApp(config, pod=pod, worker=index)
-    server = GatewayServer(app, listener, max_connections=config.max_connections)
+    public, admin = listeners
+    server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
     server.start()
     drainer = Drainer(server, config.drain_grace_seconds)
     gevent.signal_handler(signal.SIGTERM, drainer.begin)
@@ -115,15 +98,18 @@ class Supervisor:
         self.draining = False
         self._drain_started = 0.0
         self._port = config.listen_port
+        self._admin_port = config.admin_port
         self._parent = os.getpid()
 
     # -- workers ---------------------------------------------------------------------------------
-    def _listener(self) -> std_socket.socket:
-        sock = listen_socket(self.config.listen_host, self._port, reuse_port=True)
-        self._port = sock.getsockname()[1]  # an ephemeral port (0) is resolved once, then shared
-        return sock
+    def _listeners(self) -> Listeners:
+        public = listen_socket(self.config.listen_host, self._port, reuse_port=True)
+        admin = listen_socket(self.config.listen_host, self._admin_port, reuse_port=True, backlog=64)
+        # An ephemeral port (0) is resolved once, then shared by every worker.
+        self._port, self._admin_port = public.getsockname()[1], admin.getsockname()[1]
+        return public, admin
 
-    def _fork(self, index: int, listener: std_socket.socket, others: Sequence[std_socket.socket] = ()) -> int:
+    def _fork(self, index: int, listeners: Listeners, others: Sequence[std_socket.socket] = ()) -> int:
         for handler in logging.getLogger().handlers:
             handler.flush()
         pid = os.fork()
@@ -137,25 +123,27 @@ class Supervisor:
             _die_with_parent(self._parent)
             for sock in others:
                 sock.close()
-            # Nothing of the supervisor's but the listener (a restarted worker would otherwise keep
+            # Nothing of the supervisor's but the listeners (a restarted worker would otherwise keep
             # e.g. the scaler child's stdin open, and with it the child, past the supervisor's death).
-            keep = listener.fileno()
-            os.closerange(3, keep)
-            os.closerange(keep + 1, _max_fd())
-            code = run_worker(self.config, self.pod, index, listener)
+            low, high = sorted(sock.fileno() for sock in listeners)
+            os.closerange(3, low)
+            os.closerange(low + 1, high)
+            os.closerange(high + 1, _max_fd())
+            code = run_worker(self.config, self.pod, index, listeners)
         except BaseException as exc:  # noqa: BLE001 - the child must never return into the supervisor
             log.error("worker failed", extra={"worker": index, "error": type(exc).__name__})
         finally:
             os._exit(code)
 
     def start(self) -> None:
-        listeners = [self._listener() for _ in range(self.workers)]
-        for index, sock in enumerate(listeners):
-            self._fork(index, sock, [s for s in listeners if s is not sock])
-        for sock in listeners:
-            sock.close()
-        log.info("gateway listening", extra={"port": self._port, "workers": self.workers,
-                                             "backend": self.config.backend_netloc})
+        pairs = [self._listeners() for _ in range(self.workers)]
+        for index, pair in enumerate(pairs):
+            self._fork(index, pair, [s for other in pairs if other is not pair for s in other])
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+        log.info("gateway listening", extra={"port": self._port, "admin_port": self._admin_port,
+                                             "workers": self.workers, "backend": self.config.backend_netloc})
 
     def _reap(self) -> None:
         while self.pids:
@@ -177,9 +165,10 @@ class Supervisor:
             delay = RESTART_BACKOFF_SECONDS[min(self.restarts[index], len(RESTART_BACKOFF_SECONDS) - 1)]
             self.restarts[index] += 1
             time.sleep(delay)
-            sock = self._listener()
-            self._fork(index, sock)
-            sock.close()  # the child has it; the supervisor must never hold a socket it does not accept on
+            pair = self._listeners()
+            self._fork(index, pair)
+            for sock in pair:  # the child has them; the supervisor must never hold a socket it does not accept on
+                sock.close()
 
     def begin_drain(self, *_: object) -> None:
         if self.draining:
@@ -249,12 +238,14 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list
         from scaler.reporter import DemandReporter
 
         assert config.aggregator_url and config.aggregator_token_file
-        reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, broadcaster).start()
+        reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, broadcaster,
+                                  previous_token_file=config.aggregator_previous_token_file).start()
         return [lambda: reporter.stop(withdraw=True)]
     return []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    exit_if_a_secret_is_missing("gateway")
     try:
         config = load_config(sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
@@ -265,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if files < 2 * config.max_connections + 64:
         log.warning("open-file limit below what max connections need",
                     extra={"limit": files, "max_connections": config.max_connections})
-    workers = config.gateway_workers or default_workers()
+    workers = config.gateway_workers or default_workers(cgroup_root())
     supervisor = Supervisor(config, workers)
     try:
         supervisor.start()  # fork before any thread exists in this process

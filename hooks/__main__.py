@@ -83,6 +83,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return create_app()
 
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise CliError("--tls-cert-file and --tls-key-file go together")
     options = server_options(
         bind=args.bind,
         workers=args.workers,
@@ -90,6 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         graceful_timeout=args.graceful_timeout,
         loglevel=args.log_level,
+        tls_cert_file=args.tls_cert_file or None,
+        tls_key_file=args.tls_key_file or None,
     )
     HookServer(app_factory, options).run()
     return 0
@@ -255,6 +259,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=20,
         help="seconds in-flight calls get after SIGTERM (default %(default)s)",
+    )
+    serve.add_argument(
+        "--tls-cert-file",
+        default=os.environ.get("NOCTAYA_HOOK_TLS_CERT_FILE", ""),
+        help="serve HTTPS with this certificate (PEM; reloaded when the file changes, no restart; "
+        "env NOCTAYA_HOOK_TLS_CERT_FILE)",
+    )
+    serve.add_argument(
+        "--tls-key-file",
+        default=os.environ.get("NOCTAYA_HOOK_TLS_KEY_FILE", ""),
+        help="private key of --tls-cert-file (env NOCTAYA_HOOK_TLS_KEY_FILE)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)

@@ -35,6 +35,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from hooks.errors import InvalidHookRequest
 from hooks.metrics import HookMetrics
+from scaler.secretfiles import read_secret_file
 
 logger = logging.getLogger("noctaya.hooks")
 
@@ -97,6 +98,23 @@ def load_default_handlers() -> dict[str, HookHandler]:
         module = importlib.import_module(route.module)
         handlers[route.path] = getattr(module, route.function)
     return handlers
+
+
+class ExpectedToken:
+    """The bearer token Metacontroller must send. From a file, it is reread on every hook call, so a
+    rotated Secret (the kubelet swaps the mounted file) takes effect without a restart; a file that
+    is briefly missing or empty keeps the last good token rather than refusing every call."""
+
+    def __init__(self, token: bytes, path: str | None = None) -> None:
+        self._token = token
+        self._path = path
+
+    def current(self) -> bytes:
+        if self._path is not None:
+            fresh = read_secret_file(self._path)
+            if fresh is not None:
+                self._token = fresh
+        return self._token
 
 
 def read_token_file(path: str | os.PathLike[str]) -> str:
@@ -208,11 +226,12 @@ def create_app(
     unknown = sorted(set(handlers) - set(ROUTES_BY_PATH))
     if unknown:
         raise ValueError(f"no hook route for path(s) {unknown}; known: {sorted(ROUTES_BY_PATH)}")
-    if token is None and os.environ.get(TOKEN_FILE_ENV):
-        token = read_token_file(os.environ[TOKEN_FILE_ENV])
+    token_file = os.environ.get(TOKEN_FILE_ENV) if token is None else None
+    if token_file:
+        token = read_token_file(token_file)  # fails at start on a missing or empty file
     if token is not None and not token.strip():
         raise ValueError("hook token must not be empty")
-    expected_token = token.strip().encode("utf-8") if token is not None else None
+    expected = ExpectedToken(token.strip().encode("utf-8"), token_file) if token is not None else None
     if max_body_bytes is None:
         max_body_bytes = _max_body_bytes_from_env()
 
@@ -227,10 +246,10 @@ def create_app(
     @app.before_request
     def _start_and_authenticate() -> Response | None:
         g.started = time.perf_counter()
-        if expected_token is None or request.endpoint not in hook_name_by_endpoint:
+        if expected is None or request.endpoint not in hook_name_by_endpoint:
             return None
         presented = _bearer_token(request.headers.get("Authorization"))
-        if presented is None or not hmac.compare_digest(presented.encode("utf-8"), expected_token):
+        if presented is None or not hmac.compare_digest(presented.encode("utf-8"), expected.current()):
             return error_response(
                 401,
                 "unauthorized",

@@ -35,11 +35,14 @@ class HookConfig:
     image_pull_policy: str = "IfNotPresent"
     cluster_domain: str = "cluster.local"
     token_key: bytes = field(default=_PROCESS_TOKEN_KEY, repr=False)
+    # Bumping it rotates every per-service scaler token on the next sync (docs/install.md).
+    token_epoch: int = 0
     clock: Callable[[], str] = field(default=utc_now_rfc3339, compare=False)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> HookConfig:
-        """NOCTAYA_IMAGE, NOCTAYA_IMAGE_PULL_POLICY, NOCTAYA_CLUSTER_DOMAIN, NOCTAYA_TOKEN_KEY_FILE."""
+        """NOCTAYA_IMAGE, NOCTAYA_IMAGE_PULL_POLICY, NOCTAYA_CLUSTER_DOMAIN, NOCTAYA_TOKEN_KEY_FILE,
+        NOCTAYA_TOKEN_EPOCH."""
         env = os.environ if environ is None else environ
         key = _PROCESS_TOKEN_KEY
         key_file = env.get("NOCTAYA_TOKEN_KEY_FILE")
@@ -51,7 +54,11 @@ class HookConfig:
         policy = env.get("NOCTAYA_IMAGE_PULL_POLICY") or "IfNotPresent"
         if policy not in ("Always", "IfNotPresent", "Never"):
             raise ValueError("NOCTAYA_IMAGE_PULL_POLICY must be Always, IfNotPresent or Never")
+        raw_epoch = (env.get("NOCTAYA_TOKEN_EPOCH") or "0").strip()
+        if not raw_epoch.isdigit():
+            raise ValueError("NOCTAYA_TOKEN_EPOCH must be a non-negative integer")
         return cls(
+            token_epoch=int(raw_epoch),
             image=env.get("NOCTAYA_IMAGE") or DEFAULT_IMAGE,
             image_pull_policy=policy,
             cluster_domain=(env.get("NOCTAYA_CLUSTER_DOMAIN") or "cluster.local").strip("."),

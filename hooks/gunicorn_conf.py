@@ -17,6 +17,8 @@ Metacontroller and Prometheus need to reach this server; examples/security restr
 from __future__ import annotations
 
 import os
+import ssl
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +51,37 @@ def _child_exit(server: Any, worker: Any) -> None:
         multiprocess.mark_process_dead(worker.pid)
 
 
+class ReloadingTLSContext:
+    """gunicorn's ``ssl_context`` hook: one server context per worker, rebuilt when the certificate
+    or key file changes (cert-manager or the kubelet swapping a mounted Secret), so a rotated
+    certificate is served from the next TLS handshake on, without a restart. gthread asks for the
+    context on every new connection; a stat of two files is all that costs. A half-written
+    rotation (the files not loadable together) keeps the last good context."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._context: ssl.SSLContext | None = None
+        self._stamp: tuple[tuple[int, int, int], ...] | None = None
+
+    @staticmethod
+    def _stamp_of(*paths: str) -> tuple[tuple[int, int, int], ...]:
+        stats = [os.stat(p) for p in paths]  # follows the kubelet's ..data symlink swap
+        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in stats)
+
+    def __call__(self, conf: Any, default_ssl_context_factory: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        with self._lock:
+            try:
+                stamp = self._stamp_of(conf.certfile, conf.keyfile)
+                if self._context is None or stamp != self._stamp:
+                    context = default_ssl_context_factory()
+                    context.minimum_version = ssl.TLSVersion.TLSv1_2
+                    self._context, self._stamp = context, stamp
+            except (OSError, ssl.SSLError, ValueError):
+                if self._context is None:
+                    raise
+            return self._context
+
+
 def server_options(
     bind: str = DEFAULT_BIND,
     workers: int = DEFAULT_WORKERS,
@@ -57,11 +90,17 @@ def server_options(
     graceful_timeout: int = DEFAULT_GRACEFUL_TIMEOUT_SECONDS,
     keepalive: int = DEFAULT_KEEPALIVE_SECONDS,
     loglevel: str = "info",
+    tls_cert_file: str | None = None,
+    tls_key_file: str | None = None,
 ) -> dict[str, Any]:
-    """Gunicorn settings for the hook server."""
+    """Gunicorn settings for the hook server (HTTPS when a certificate and key are given)."""
     if workers < 1 or threads < 1:
         raise ValueError("workers and threads must be at least 1")
+    tls: dict[str, Any] = {}
+    if tls_cert_file and tls_key_file:
+        tls = {"certfile": tls_cert_file, "keyfile": tls_key_file, "ssl_context": ReloadingTLSContext()}
     return {
+        **tls,
         "bind": bind,
         "workers": workers,
         "worker_class": "gthread",

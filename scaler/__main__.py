@@ -60,12 +60,24 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     _add_scaler_flags(agg, env)
     agg.add_argument("--report-port", type=int, default=_env_int(env, "NOCTAYA_REPORT_PORT", 9091))
     agg.add_argument("--aggregator-token-file", default=env.get("NOCTAYA_AGGREGATOR_TOKEN_FILE", ""))
+    agg.add_argument("--aggregator-previous-token-file",
+                     default=env.get("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", ""),
+                     help="the previous epoch's token, also accepted during a rotation")
     agg.add_argument("--max-members", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBERS", 64))
     agg.add_argument("--max-member-demand", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBER_DEMAND", 100))
     agg.add_argument("--member-ttl-seconds", type=float,
                      default=_env_float(env, "NOCTAYA_MEMBER_TTL_SECONDS", 10.0))
     agg.add_argument("--max-concurrent-reports", type=int,
                      default=_env_int(env, "NOCTAYA_MAX_CONCURRENT_REPORTS", 16))
+    agg.add_argument("--max-members-per-address", type=int,
+                     default=_env_int(env, "NOCTAYA_MAX_MEMBERS_PER_ADDRESS", 2),
+                     help="members one source address may hold (raise it where gateways share an address, "
+                          "e.g. behind SNAT)")
+    agg.add_argument("--max-connections-per-address", type=int,
+                     default=_env_int(env, "NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", 4))
+    agg.add_argument("--report-deadline-seconds", type=float,
+                     default=_env_float(env, "NOCTAYA_REPORT_DEADLINE_SECONDS", 2.0),
+                     help="time a report request may take to arrive whole (slow clients are cut off)")
 
     local = sub.add_parser("local", help="serve the gRPC scaler of one gateway, reading its demand from stdin",
                            description="Started by `python -m gateway` in scaler mode local; it exits when "
@@ -108,12 +120,19 @@ def _wait_for(stop: threading.Event) -> None:
 def _aggregate(args: argparse.Namespace) -> int:
     from scaler.aggregator import Aggregator, AggregatorSettings
     from scaler.demand import DemandBroadcaster
+    from scaler.secretfiles import exit_if_a_secret_is_missing
+
+    exit_if_a_secret_is_missing("scaler")
 
     try:
         settings = AggregatorSettings(
             token_file=args.aggregator_token_file, max_members=args.max_members,
+            previous_token_file=args.aggregator_previous_token_file or None,
             max_member_demand=args.max_member_demand, member_ttl=args.member_ttl_seconds,
             max_concurrent_reports=args.max_concurrent_reports,
+            max_members_per_address=args.max_members_per_address,
+            max_connections_per_address=args.max_connections_per_address,
+            request_deadline=args.report_deadline_seconds,
         )
         scaler_settings, tls = _scaler_settings(args)
     except ValueError as exc:

@@ -24,12 +24,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from scaler.demand import Demand, DemandBroadcaster
+from scaler.secretfiles import read_secret_file
 
 __all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "read_token_file"]
 
 log = logging.getLogger("noctaya.scaler.aggregator")
 
-MAX_TOKEN_FILE_BYTES = 4096
 _MEMBER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _MAX_SEQ = 2**63 - 1
 
@@ -37,23 +37,31 @@ _MAX_SEQ = 2**63 - 1
 @dataclass(frozen=True, slots=True)
 class AggregatorSettings:
     token_file: str
+    previous_token_file: str | None = None  # also accepted: the token of the epoch before (a rotation)
     max_members: int = 64
     max_member_demand: int = 100  # = the gateway's maxQueue, which counts waiting and in-flight
     member_ttl: float = 10.0
     max_concurrent_reports: int = 16
     max_body_bytes: int = 64 * 1024
     max_connections: int = 256
-    socket_timeout: float = 10.0  # slow or idle keep-alive clients release their thread after this
+    socket_timeout: float = 10.0  # idle keep-alive clients release their thread after this
+    # Identity bound to the Pod: a member belongs to the address that first reported it, and one
+    # address may hold only a few members (a gateway restarting in place briefly has two).
+    max_members_per_address: int = 2
+    # Slow clients: connections per source address, and the time a request may take to arrive whole
+    # (headers and body; a byte every few seconds does not extend it).
+    max_connections_per_address: int = 4
+    request_deadline: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.token_file:
             raise ValueError("the aggregator needs a token file (NOCTAYA_AGGREGATOR_TOKEN_FILE)")
         for name in ("max_members", "max_member_demand", "max_concurrent_reports", "max_body_bytes",
-                     "max_connections"):
+                     "max_connections", "max_members_per_address", "max_connections_per_address"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.member_ttl <= 0 or self.socket_timeout <= 0:
-            raise ValueError("member_ttl and socket_timeout must be > 0")
+        if self.member_ttl <= 0 or self.socket_timeout <= 0 or self.request_deadline <= 0:
+            raise ValueError("member_ttl, socket_timeout and request_deadline must be > 0")
 
 
 class ReportError(ValueError):
@@ -99,6 +107,7 @@ class _Member:
     seq: int
     demand: Demand
     seen_at: float
+    owner: str | None  # the source address that first reported this member (None: not bound)
 
 
 class MemberTable:
@@ -120,11 +129,18 @@ class MemberTable:
         queued = min(queued, limit)
         return queued, min(in_flight, limit - queued)
 
-    def apply(self, report: Report) -> str:
-        """Returns 'accepted', 'stale', 'withdrawn' or 'full' (new member over the cap)."""
+    def apply(self, report: Report, owner: str | None = None) -> str:
+        """Returns 'accepted', 'stale', 'withdrawn', 'full' (new member over the cap), or 'foreign'.
+
+        ``owner`` is the report's source address (the HTTP server always gives it): a member belongs
+        to the address that first reported it, so a token holder cannot overwrite or evict another
+        gateway's membership ('foreign'), and one address holds at most max_members_per_address
+        members, so one Pod cannot fill the table ('full')."""
         now = self._clock()
         self.expire(now)
         current = self._members.get(report.member)
+        if current is not None and owner is not None and current.owner != owner:
+            return "foreign"
         tomb = self._tombstones.get(report.member)
         last_seq = current.seq if current else (tomb[0] if tomb else None)
         if last_seq is not None and report.seq <= last_seq:
@@ -135,11 +151,15 @@ class MemberTable:
                 self._tombstones.pop(next(iter(self._tombstones)))  # oldest first (insertion order)
             self._tombstones[report.member] = (report.seq, now)
             return "withdrawn"
-        if current is None and len(self._members) >= self._settings.max_members:
-            return "full"
+        if current is None:
+            if len(self._members) >= self._settings.max_members:
+                return "full"
+            if owner is not None and sum(
+                    1 for m in self._members.values() if m.owner == owner) >= self._settings.max_members_per_address:
+                return "full"
         self._tombstones.pop(report.member, None)
         queued, in_flight = self.clamp(report.queued, report.in_flight)
-        self._members[report.member] = _Member(report.seq, Demand(queued, in_flight, report.lease_active), now)
+        self._members[report.member] = _Member(report.seq, Demand(queued, in_flight, report.lease_active), now, owner)
         return "accepted"
 
     def expire(self, now: float | None = None) -> int:
@@ -159,17 +179,7 @@ class MemberTable:
         return Demand(queued, in_flight, any(m.demand.lease_active for m in self._members.values()))
 
 
-def read_token_file(path: str) -> bytes | None:
-    """The token (stripped), or None when the file is missing, empty or oversized."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TOKEN_FILE_BYTES + 1)
-    except OSError:
-        return None
-    token = data.strip()
-    if not token or len(data) > MAX_TOKEN_FILE_BYTES:
-        return None
-    return token
+read_token_file = read_secret_file  # the report token: reread per report, so rotation needs no restart
 
 
 class _Metrics:
@@ -217,9 +227,9 @@ class Aggregator:
         self._metrics.lease.set(1 if total.lease_active else 0)
         self.broadcaster.publish(total)
 
-    def apply(self, report: Report) -> str:
+    def apply(self, report: Report, owner: str | None = None) -> str:
         with self._lock:
-            outcome = self._table.apply(report)
+            outcome = self._table.apply(report, owner)
             self._publish_locked()
         self._metrics.reports.labels(outcome).inc()
         return outcome
@@ -246,10 +256,14 @@ class Aggregator:
         self._report_slots.release()
 
     def token_matches(self, header: str | None) -> bool:
-        expected = read_token_file(self.settings.token_file)
-        if expected is None or not header or not header.startswith("Bearer "):
+        if not header or not header.startswith("Bearer "):
             return False
-        return hmac.compare_digest(header[len("Bearer "):].strip().encode("utf-8", "replace"), expected)
+        presented = header[len("Bearer "):].strip().encode("utf-8", "replace")
+        files = [self.settings.token_file, self.settings.previous_token_file]
+        accepted = [t for t in (read_token_file(f) for f in files if f) if t is not None]
+        # Both compared, always: the time taken does not say which one matched.
+        matches = [hmac.compare_digest(presented, expected) for expected in accepted]
+        return any(matches)
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)
@@ -299,27 +313,91 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], aggregator: Aggregator):
         self.aggregator = aggregator
         self._connections = threading.BoundedSemaphore(aggregator.settings.max_connections)
+        self._per_address: dict[str, int] = {}
+        # socket -> when its current request must have fully arrived (None while it is answered)
+        self._deadlines: dict[socket.socket, float | None] = {}
+        self._guard = threading.Lock()
         super().__init__(address, handler)
+        threading.Thread(target=self._reap_slow_clients, name="aggregator-deadlines", daemon=True).start()
+
+    def _refuse(self, request: socket.socket) -> None:
+        try:
+            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
+        peer = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        with self._guard:
+            crowded = self._per_address.get(peer, 0) >= self.aggregator.settings.max_connections_per_address
+            if not crowded:
+                self._per_address[peer] = self._per_address.get(peer, 0) + 1
+        if crowded:
+            self._refuse(request)
+            return
         if not self._connections.acquire(blocking=False):
-            try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            except OSError:
-                pass
-            self.shutdown_request(request)
+            self._forget_address(peer)
+            self._refuse(request)
             return
         try:
             super().process_request(request, client_address)
         except Exception:
             self._connections.release()
+            self._forget(request, peer)
             raise
 
     def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        peer = str(client_address[0]) if isinstance(client_address, tuple) else ""
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._connections.release()
+            self._forget(request, peer)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away (or that the deadline cut off) is not an error worth a traceback.
+        log.debug("connection from %s ended with an error", client_address[0] if client_address else "?",
+                  exc_info=True)
+
+    def _forget_address(self, peer: str) -> None:
+        with self._guard:
+            left = self._per_address.get(peer, 0) - 1
+            if left > 0:
+                self._per_address[peer] = left
+            else:
+                self._per_address.pop(peer, None)
+
+    def _forget(self, request: socket.socket, peer: str) -> None:
+        with self._guard:
+            self._deadlines.pop(request, None)
+        self._forget_address(peer)
+
+    def expect_request(self, request: socket.socket) -> None:
+        """The next request on ``request`` must arrive whole within the deadline."""
+        with self._guard:
+            self._deadlines[request] = time.monotonic() + self.aggregator.settings.request_deadline
+
+    def answering(self, request: socket.socket) -> None:
+        with self._guard:
+            if request in self._deadlines:
+                self._deadlines[request] = None
+
+    def _reap_slow_clients(self) -> None:
+        # A client dribbling bytes keeps every per-read timeout alive; a deadline on the whole
+        # request does not, so slow clients cannot hold the slots real reports need.
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._guard:
+                late = [sock for sock, due in self._deadlines.items() if due is not None and now > due]
+                for sock in late:
+                    self._deadlines[sock] = None
+            for sock in late:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 class _ReportHandler(BaseHTTPRequestHandler):
@@ -331,6 +409,10 @@ class _ReportHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.aggregator.settings.socket_timeout
         super().setup()
+
+    def handle_one_request(self) -> None:
+        self.server.expect_request(self.connection)  # each request, keep-alive ones too, has a deadline
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s " + format, self.address_string(), *args)
@@ -353,6 +435,7 @@ class _ReportHandler(BaseHTTPRequestHandler):
         self._send(code, {"error": {"message": message, "code": code}}, headers=headers)
 
     def do_GET(self) -> None:
+        self.server.answering(self.connection)
         aggregator = self.server.aggregator
         if self.path == "/healthz":
             self._send(200, {"status": "ok", "members": aggregator.member_count})
@@ -395,6 +478,7 @@ class _ReportHandler(BaseHTTPRequestHandler):
             if len(body) != length:
                 self.close_connection = True
                 return
+            self.server.answering(self.connection)
             try:
                 report = Report.from_json(json.loads(body))
             except (ValueError, UnicodeDecodeError) as exc:
@@ -402,10 +486,13 @@ class _ReportHandler(BaseHTTPRequestHandler):
                 message = str(exc) if isinstance(exc, ReportError) else "body is not valid JSON"
                 self._error(400, message)
                 return
-            outcome = aggregator.apply(report)
+            outcome = aggregator.apply(report, owner=self.client_address[0])
         finally:
             aggregator.end_report()
         if outcome == "full":
             self._error(429, "member limit reached", **{"Retry-After": "2"})
+        elif outcome == "foreign":
+            self._error(403, "member belongs to another address")
         else:
             self._send(200, {"outcome": outcome, "members": aggregator.member_count})
+

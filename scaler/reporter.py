@@ -51,12 +51,17 @@ class DemandReporter:
         *,
         min_gap: float = 0.05,
         retry_delay: float = 0.25,
+        previous_token_file: str | None = None,
     ) -> None:
         if interval <= 0 or timeout <= 0 or min_gap < 0 or retry_delay <= 0:
             raise ValueError("interval, timeout and retry_delay must be > 0, min_gap >= 0")
         self.url = url
         self._log_url = _without_userinfo(url)
         self.token_file = token_file
+        # During a token rotation the aggregator may still know only the previous token (the kubelet
+        # updates each Pod's mounted Secret on its own schedule): a refused current token is retried
+        # with the previous one, once.
+        self.previous_token_file = previous_token_file
         self.broadcaster = broadcaster
         self.member_id = member_id or uuid.uuid4().hex
         self.interval = interval
@@ -91,11 +96,16 @@ class DemandReporter:
             "member": self.member_id, "seq": self._seq, "queued": demand.queued,
             "inFlight": demand.in_flight, "leaseActive": demand.lease_active, "withdraw": withdraw,
         }
+        previous = read_token_file(self.previous_token_file) if self.previous_token_file else None
+        tokens = [token] + ([previous] if previous is not None and previous != token else [])
         try:
-            response = self._session.post(
-                self.url, json=body, timeout=self.timeout,
-                headers={"Authorization": "Bearer " + token.decode("utf-8", "replace")},
-            )
+            for attempt in tokens:
+                response = self._session.post(
+                    self.url, json=body, timeout=self.timeout,
+                    headers={"Authorization": "Bearer " + attempt.decode("utf-8", "replace")},
+                )
+                if response.status_code != 401:
+                    break
         except requests.RequestException as exc:
             # The exception text can carry the URL but never the headers; log only its type.
             self._log_failure(f"report failed: {type(exc).__name__}")

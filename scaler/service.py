@@ -65,6 +65,8 @@ _METRIC_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # KEDA prefixes trigger metric names with "s<index>-"; it strips that before asking us, but an
 # older or future caller that does not is still answered.
 _KEDA_PREFIX_RE = re.compile(r"^s\d+-")
+TARGET_METADATA_KEY = "targetPerReplica"  # scaling.targetPerReplica, in the external-push trigger metadata
+MAX_TARGET = 1_000_000
 
 
 def validate_metric_name(name: str) -> str:
@@ -194,10 +196,20 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
     def GetMetricSpec(
         self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
     ) -> pb.GetMetricSpecResponse:
-        return pb.GetMetricSpecResponse(metricSpecs=[self._metric_spec()])
+        return pb.GetMetricSpecResponse(metricSpecs=[self._metric_spec(request, context)])
 
-    def _metric_spec(self) -> pb.MetricSpec:
+    def _metric_spec(self, request: pb.ScaledObjectRef, context: grpc.ServicerContext) -> pb.MetricSpec:
+        # The per-replica target travels in the trigger's metadata (rendered from
+        # scaling.targetPerReplica), so retuning rewrites the ScaledObject and never rolls the gateways
+        # (which would drop held requests). The configured target serves older ScaledObjects.
         target = self._settings.target
+        raw = request.scalerMetadata.get(TARGET_METADATA_KEY)
+        if raw is not None:
+            if not raw.isdigit() or not 1 <= int(raw) <= MAX_TARGET:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"trigger metadata {TARGET_METADATA_KEY} must be an integer in 1..{MAX_TARGET}, "
+                              f"got {raw[:20]!r}")
+            target = int(raw)
         return pb.MetricSpec(
             metricName=self._settings.metric_name, targetSize=target, targetSizeFloat=float(target)
         )

@@ -1,6 +1,6 @@
 """Third-party CRDs for the tests, from where each project publishes them.
 
-KEDA and the Prometheus Operator publish Go modules: their CRDs are read from those modules at the
+KEDA, the Prometheus Operator and cert-manager publish Go modules: their CRDs are read from those modules at the
 versions pinned in tools/kube-testenv/versions.env, downloaded once into Go's module cache (outside
 the repository) with ``go mod download``. Metacontroller is not served as a module; its CRDs come
 from ``../shared/third_party`` when a copy of shared/ sits beside the clone, and the tests that need
@@ -29,6 +29,9 @@ MODULE_CRDS = {
     "KEDA_MODULE": ["config/crd/bases/keda.sh_scaledobjects.yaml",
                     "config/crd/bases/keda.sh_triggerauthentications.yaml",
                     "config/crd/bases/keda.sh_clustertriggerauthentications.yaml"],
+    # The hook server's certificate example (examples/security/hook-server-cert-manager.yaml).
+    "CERT_MANAGER_MODULE": ["deploy/crds/cert-manager.io_issuers.yaml",
+                            "deploy/crds/cert-manager.io_certificates.yaml"],
     "PROMETHEUS_OPERATOR_MODULE": ["example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml",
                                    "example/prometheus-operator-crd/monitoring.coreos.com_podmonitors.yaml",
                                    "example/prometheus-operator-crd/monitoring.coreos.com_prometheusrules.yaml"],

@@ -6,7 +6,7 @@ LLMService names a runtime (or selects one by labels) and the hooks render the r
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -120,7 +120,14 @@ class Lifecycle(ApiModel):
 
     drain_timeout: Duration = Field(
         default="2m",
-        description="How long the preStop hook waits for in-flight requests to finish before the engine is stopped.",
+        description="Upper bound on how long the preStop hook waits for in-flight requests to finish before the engine "
+        "is stopped.",
+    )
+    drain_wait: Literal["InFlight", "Sleep"] = Field(
+        default="InFlight",
+        description="InFlight: the preStop hook (sh in the engine image) polls the engine's metrics.inFlightMetric and "
+        "waitingMetric and returns as soon as both are 0, so an idle backend stops (and frees its accelerator) in "
+        "seconds; without those gauges it sleeps. Sleep: always wait the whole drainTimeout (images without sh).",
     )
     termination_grace_period_seconds: int | None = Field(
         default=None,
@@ -163,6 +170,38 @@ class RuntimeMetrics(ApiModel):
     )
 
 
+Capability = Annotated[str, Field(pattern=r"^[A-Z][A-Z0-9_]*$", max_length=32)]
+
+
+class RuntimeSecurity(ApiModel):
+    """What the serving container may do. The default is Pod Security `restricted` except for the user:
+    no privilege escalation, every capability dropped, the RuntimeDefault seccomp profile. Relax only
+    what the engine's image or the accelerator's driver stack needs (see the vendor adapters)."""
+
+    run_as_user: int | None = Field(
+        default=None,
+        ge=1,
+        description="A non-root uid the engine image works as; sets runAsNonRoot (required by `restricted`) and the "
+        "Pod's fsGroup to the same id unless fsGroup is given. Unset: the image's own user (root in most engine "
+        "images), which `baseline` admits and `restricted` does not.",
+    )
+    run_as_group: int | None = Field(default=None, ge=0, description="Primary gid of the engine process.")
+    fs_group: int | None = Field(default=None, ge=0, description="Pod fsGroup: the group that owns mounted volumes.")
+    add_capabilities: list[Capability] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Linux capabilities to add back after dropping all, e.g. IPC_LOCK for RDMA (pinned memory). "
+        "Anything but NET_BIND_SERVICE leaves `restricted`; anything outside the container runtime's default set "
+        "(IPC_LOCK, SYS_PTRACE, SYS_ADMIN, NET_RAW, ...) also leaves `baseline`.",
+    )
+    allow_privilege_escalation: bool = Field(
+        default=False, description="Allow setuid binaries to gain privileges (leaves `restricted`)."
+    )
+    seccomp_profile: Literal["RuntimeDefault", "Unconfined"] = Field(
+        default="RuntimeDefault", description="Seccomp profile of the serving container (Unconfined leaves `restricted`)."
+    )
+
+
 class InferenceRuntimeSpec(ApiModel):
     """How to run one inference engine on one kind of accelerator."""
 
@@ -188,7 +227,10 @@ class InferenceRuntimeSpec(ApiModel):
         default="/cache", description="Where the model cache volume is mounted.", pattern=r"^/"
     )
     shm_size: Quantity | None = Field(
-        default=None, description="Size of a memory-backed /dev/shm (tensor-parallel engines need more than 64Mi)."
+        default=None,
+        description="Size limit of the memory-backed /dev/shm every serving container gets (default 1Gi; "
+        "tensor-parallel engines need more than the container runtime's 64Mi). Pages count toward the memory limit "
+        "as they are written.",
     )
     priority: int = Field(
         default=0,
@@ -199,6 +241,10 @@ class InferenceRuntimeSpec(ApiModel):
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Scheduler selection and hints.")
     probes: Probes = Field(default_factory=Probes, description="Startup, readiness and liveness probes.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Drain on termination.")
+    security: RuntimeSecurity = Field(
+        default_factory=RuntimeSecurity,
+        description="Security context of the serving container (restricted by default, except the user).",
+    )
     metrics: RuntimeMetrics | None = Field(
         default=None, description="Engine metrics metadata, used by leading-signal triggers and monitoring."
     )

@@ -54,15 +54,6 @@ def runtime_rule(spec: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def secret_names(spec: dict[str, Any]) -> list[str]:
-    found = {
-        _dict(_dict(spec.get("model")).get("credentialsSecret")).get("name"),
-        _dict(_dict(_dict(spec.get("endpoint")).get("auth")).get("secretRef")).get("name"),
-        _dict(spec.get("scalerTLS")).get("secretName"),
-    }
-    return sorted(n for n in found if isinstance(n, str) and n)
-
-
 def related_rules(parent: dict[str, Any]) -> list[dict[str, Any]]:
     meta = _dict(parent.get("metadata"))
     spec = _dict(parent.get("spec"))
@@ -72,17 +63,17 @@ def related_rules(parent: dict[str, Any]) -> list[dict[str, Any]]:
     if rule is not None:
         rules.append(rule)
     rules.append({"apiVersion": "apiextensions.k8s.io/v1", "resource": "customresourcedefinitions", "names": [obs.KEDA_CRD_NAME]})
+    # Every Pod of this LLMService: the backend's status, and what gateway and aggregator Pods say about
+    # a Secret they could not find. Secrets themselves are never asked for: Metacontroller would send
+    # their data to the hook server on every sync, which only needs to know whether they exist.
     rules.append(
         {
             "apiVersion": "v1",
             "resource": "pods",
             "namespace": namespace,
-            "labelSelector": {"matchLabels": labels.selector(meta["name"], labels.BACKEND)},
+            "labelSelector": {"matchLabels": {labels.LLMSERVICE: labels.label_value(meta["name"])}},
         }
     )
-    wanted = secret_names(spec)
-    if wanted:
-        rules.append({"apiVersion": "v1", "resource": "secrets", "namespace": namespace, "names": wanted})
     return rules
 
 

@@ -73,18 +73,22 @@ class Observed:
         return any((o.get("metadata") or {}).get("name") == KEDA_CRD_NAME for o in self.related_objects(CRD))
 
     def live_pods(self) -> list[dict[str, Any]]:
-        return self.related_objects(POD)
+        """The backend Pods (what finalize waits for and what the backend condition reads)."""
+        return self.pods_of(labels.BACKEND)
+
+    def pods_of(self, *components: str) -> list[dict[str, Any]]:
+        """Related Pods of these components. Pods without a component label count as backend Pods
+        (requests from before customize asked for every component's Pods)."""
+        def component(pod: dict[str, Any]) -> str:
+            return str(((pod.get("metadata") or {}).get("labels") or {}).get(labels.COMPONENT, labels.BACKEND))
+
+        return [p for p in self.related_objects(POD) if component(p) in components]
 
     @property
     def pods_observed(self) -> bool:
         """False when the request carried no Pod group: "no pods" is then unknown, not zero."""
         return has_group(self.related, POD)
 
-    def secret_names(self) -> set[str] | None:
-        """Names of the related Secrets, or None when the request carried no Secret group at all."""
-        if not has_group(self.related, SECRET):
-            return None
-        return {str((o.get("metadata") or {}).get("name")) for o in self.related_objects(SECRET)}
 
 
 def parse_children(groups: Any) -> dict[tuple[str, str], dict[str, Any]]:

@@ -7,6 +7,7 @@ another sync, so a status that differs on every call would loop forever.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -96,9 +97,41 @@ def pod_failures(pod: dict[str, Any]) -> list[tuple[Reason, str]]:
         elif waiting == "CrashLoopBackOff":
             found.append((Reason.CRASH_LOOP, f"pod {name} container {container} is crash-looping (see its logs)"))
         elif waiting == "CreateContainerConfigError":
-            found.append((Reason.SECRET_NOT_FOUND, f"pod {name} container {container}: a referenced Secret or key is missing"))
+            missing = secrets_named_missing([cs])
+            what = f"Secret {missing[0]} (or a key in it) is missing" if missing else "a referenced Secret or key is missing"
+            found.append((Reason.SECRET_NOT_FOUND, f"pod {name} container {container}: {what}"))
         elif _int(cs.get("restartCount")) >= REPEATED_TERMINATION_RESTARTS and last_terminated:
             found.append((Reason.REPEATED_TERMINATION, f"pod {name} container {container} terminated repeatedly ({last_terminated})"))
+    return found
+
+
+# What says a Secret is missing, without ever reading one: the kubelet's CreateContainerConfigError
+# (`secret "x" not found`, `couldn't find key k in Secret ns/x`) and the termination message Noctaya's
+# own containers leave when a Secret volume (optional, so the Pod starts) came up empty
+# (`Secret "x" not found`, see gateway.secretfiles).
+_MISSING_SECRET = (re.compile(r'secret "([^"]+)" not found', re.I), re.compile(r"couldn't find key \S+ in Secret [^/\s]+/(\S+)"))
+
+
+def secrets_named_missing(statuses: Iterable[dict[str, Any]]) -> list[str]:
+    """Secret names that container statuses say are missing (waiting or terminated, now or last)."""
+    names: set[str] = set()
+    for cs in statuses:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            for phase in ("waiting", "terminated"):
+                message = str((state.get(phase) or {}).get("message") or "")
+                for pattern in _MISSING_SECRET:
+                    names.update(pattern.findall(message))
+    return sorted(names)
+
+
+def pod_secrets_missing(pods: Iterable[dict[str, Any]]) -> set[str]:
+    """Secret names any of these Pods (not being deleted) reports missing."""
+    found: set[str] = set()
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        status = pod.get("status") or {}
+        found.update(secrets_named_missing([*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]))
     return found
 
 

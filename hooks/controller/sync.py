@@ -80,18 +80,20 @@ def _observational(out: Outcome, parent_name: str, observed: obs.Observed, multi
 
 
 def _missing_secrets(service: LLMService, observed: obs.Observed) -> dict[str, str]:
-    """Referenced Secrets that do not exist, by role (existence only: data is never read)."""
-    present = observed.secret_names()
-    if present is None:
-        return {}
-    wanted: dict[str, str] = {}
+    """Referenced Secrets that Pods report missing, by role. Secrets are never read (not even
+    listed): the Pods that use them say so (see hooks.controller.status.pod_secrets_missing)."""
+    wanted: dict[str, tuple[str, tuple[str, ...]]] = {}
     if service.spec.model.credentials_secret is not None and service.spec.model.parsed.is_hub:
-        wanted["credentials"] = service.spec.model.credentials_secret.name
+        wanted["credentials"] = (service.spec.model.credentials_secret.name, (labels.BACKEND,))
     if service.spec.endpoint.auth is not None:
-        wanted["auth"] = service.spec.endpoint.auth.secret_ref.name
+        wanted["auth"] = (service.spec.endpoint.auth.secret_ref.name, (labels.GATEWAY,))
     if service.spec.scaler_tls is not None:
-        wanted["tls"] = service.spec.scaler_tls.secret_name
-    return {role: name for role, name in wanted.items() if name not in present}
+        wanted["tls"] = (service.spec.scaler_tls.secret_name, (labels.GATEWAY, labels.AGGREGATOR))
+    missing: dict[str, str] = {}
+    for role, (name, components) in wanted.items():
+        if name in st.pod_secrets_missing(observed.pods_of(*components)):
+            missing[role] = name
+    return missing
 
 
 def _invalid(out: Outcome, parent: dict[str, Any], observed: obs.Observed, message: str) -> None:

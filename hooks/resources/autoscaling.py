@@ -68,7 +68,8 @@ def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
         "type": "external-push",
         "name": DEMAND_TRIGGER,
         "metricType": "AverageValue",
-        "metadata": {"scalerAddress": ctx.scaler_address},
+        # The target travels here, not in the gateways' env: retuning rewrites this object only.
+        "metadata": {"scalerAddress": ctx.scaler_address, "targetPerReplica": str(scaling.target_per_replica)},
     }
     tls = ctx.service.spec.scaler_tls
     if tls is not None:

@@ -65,6 +65,7 @@ class RenderContext:
 SCALER_GRPC_PORT = 9090
 REPORT_PORT = 9091
 GATEWAY_PORT = 8080
+ADMIN_PORT = 9092  # the gateway's /metrics and /noctaya/queue (never on a Service)
 PUBLIC_PORT = 80
 METRIC_NAME = "noctaya-demand"
 

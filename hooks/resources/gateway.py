@@ -11,6 +11,7 @@ from typing import Any
 
 from hooks.resources import backend, labels, names
 from hooks.resources.context import (
+    ADMIN_PORT,
     GATEWAY_PORT,
     METRIC_NAME,
     PUBLIC_PORT,
@@ -38,6 +39,7 @@ AUTH_DIR = "/var/run/noctaya/auth"
 AUTH_FILE = "api-key"
 TOKEN_DIR = "/var/run/noctaya/scaler-token"
 TOKEN_KEY = "token"
+PREVIOUS_TOKEN_KEY = "previous-token"  # the token of the epoch before, accepted during a rotation
 TLS_DIR = "/var/run/noctaya/scaler-tls"
 
 
@@ -80,8 +82,12 @@ def resources(ctx: RenderContext) -> dict[str, Any]:
     return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
 
 
-def tls_env() -> list[dict[str, str]]:
+def tls_env(ctx: RenderContext) -> list[dict[str, str]]:
+    tls = ctx.service.spec.scaler_tls
+    assert tls is not None
     return [
+        # The name only: a missing Secret is reported by the Pod itself (scaler.secretfiles).
+        _env("NOCTAYA_SCALER_TLS_SECRET", tls.secret_name),
         _env("NOCTAYA_SCALER_TLS_CERT_FILE", f"{TLS_DIR}/tls.crt"),
         _env("NOCTAYA_SCALER_TLS_KEY_FILE", f"{TLS_DIR}/tls.key"),
         _env("NOCTAYA_SCALER_TLS_CA_FILE", f"{TLS_DIR}/ca.crt"),
@@ -92,7 +98,8 @@ def tls_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
     tls = ctx.service.spec.scaler_tls
     assert tls is not None
     return (
-        {"name": "scaler-tls", "secret": {"secretName": tls.secret_name, "defaultMode": 0o440}},
+        # optional: the Pod starts without the Secret and says which one is missing (scaler.secretfiles).
+        {"name": "scaler-tls", "secret": {"secretName": tls.secret_name, "defaultMode": 0o440, "optional": True}},
         {"name": "scaler-tls", "mountPath": TLS_DIR, "readOnly": True},
     )
 
@@ -103,7 +110,7 @@ def token_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
             "name": "scaler-token",
             "secret": {
                 "secretName": names.scaler_token(ctx.name),
-                "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}],
+                "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}, {"key": PREVIOUS_TOKEN_KEY, "path": PREVIOUS_TOKEN_KEY}],
                 "defaultMode": 0o440,
             },
         },
@@ -116,6 +123,7 @@ def env(ctx: RenderContext) -> list[dict[str, str]]:
     ep = spec.endpoint
     out = [
         _env("NOCTAYA_LISTEN_PORT", GATEWAY_PORT),
+        _env("NOCTAYA_ADMIN_PORT", ADMIN_PORT),
         _env("NOCTAYA_BACKEND_URL", backend.url(ctx)),
         _env("NOCTAYA_READINESS_PATH", pod.readiness_path(ctx.runtime)),
         _env("NOCTAYA_SERVED_MODEL_NAME", ctx.service.served_name),
@@ -131,17 +139,18 @@ def env(ctx: RenderContext) -> list[dict[str, str]]:
     ]
     if ep.auth is not None:
         out.append(_env("NOCTAYA_AUTH_KEY_FILE", f"{AUTH_DIR}/{AUTH_FILE}"))
-    out.append(_env("NOCTAYA_SCALING_TARGET", spec.scaling.target_per_replica))
+        out.append(_env("NOCTAYA_AUTH_SECRET", ep.auth.secret_ref.name))
     out.append(_env("NOCTAYA_METRIC_NAME", METRIC_NAME))
     if ctx.multi_gateway:
         out.append(_env("NOCTAYA_SCALER_MODE", "report"))
         out.append(_env("NOCTAYA_AGGREGATOR_URL", f"http://{ctx.host(names.aggregator(ctx.name))}:{REPORT_PORT}/v1/report"))
         out.append(_env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{TOKEN_DIR}/{TOKEN_KEY}"))
+        out.append(_env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{TOKEN_DIR}/{PREVIOUS_TOKEN_KEY}"))
     else:
         out.append(_env("NOCTAYA_SCALER_MODE", "local"))
         out.append(_env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT))
         if spec.scaler_tls is not None:
-            out.extend(tls_env())
+            out.extend(tls_env(ctx))
     return out
 
 
@@ -183,11 +192,16 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
                     "secretName": ref.name,
                     "items": [{"key": ref.key or "api-key", "path": AUTH_FILE}],
                     "defaultMode": 0o440,
+                    # The Pod starts without the Secret and says which one is missing (scaler.secretfiles).
+                    "optional": True,
                 },
             }
         )
         mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
-    ports = [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}]
+    # `admin` (/metrics, /noctaya/queue) is a container port only: no Service exposes it, so the
+    # public Service (often a LoadBalancer) cannot; the example PodMonitor scrapes it per Pod.
+    ports = [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
+             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"}]
     if ctx.multi_gateway:
         vol, mount = token_volume(ctx)
         volumes.append(vol)

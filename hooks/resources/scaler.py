@@ -37,18 +37,18 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
         _env("NOCTAYA_REPORT_PORT", REPORT_PORT),
         _env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT),
         _env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.TOKEN_KEY}"),
+        _env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.PREVIOUS_TOKEN_KEY}"),
         _env("NOCTAYA_MAX_MEMBERS", MAX_MEMBERS),
         _env("NOCTAYA_MAX_MEMBER_DEMAND", spec.endpoint.max_queue),
         _env("NOCTAYA_MEMBER_TTL_SECONDS", MEMBER_TTL_SECONDS),
         _env("NOCTAYA_MAX_CONCURRENT_REPORTS", MAX_CONCURRENT_REPORTS),
-        _env("NOCTAYA_SCALING_TARGET", spec.scaling.target_per_replica),
         _env("NOCTAYA_METRIC_NAME", METRIC_NAME),
     ]
     vol, mount = gateway.token_volume(ctx)
     volumes = [vol]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, mount]
     if spec.scaler_tls is not None:
-        env.extend(gateway.tls_env())
+        env.extend(gateway.tls_env(ctx))
         tls_vol, tls_mount = gateway.tls_volume(ctx)
         volumes.append(tls_vol)
         mounts.append(tls_mount)

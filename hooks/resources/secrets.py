@@ -1,9 +1,15 @@
 """The per-service token Secret that gateways present to the aggregate scaler.
 
 Hooks are pure, so randomness must not churn objects: the first render derives the token as
-HMAC-SHA256(token key, parent uid) — deterministic for one parent, unguessable without the key —
-and every later sync reuses the token from the observed Secret, so rotating the key (or a
-different hook replica's key) never changes a token already in use.
+HMAC-SHA256(token key, parent uid [+ epoch]) — deterministic for one parent, unguessable without the
+key — and every later sync reuses the token from the observed Secret, so a different hook replica's
+key never changes a token already in use.
+
+Rotation: the Secret records the token epoch it was made in (an annotation). When the hook server's
+NOCTAYA_TOKEN_EPOCH is raised, the next sync derives a new token for the new epoch and keeps the old
+one as `previous-token`. The aggregate scaler accepts either and a gateway whose current token is
+refused retries with its previous one, so whichever Pod's mounted Secret the kubelet updates first,
+no report is lost.
 """
 
 from __future__ import annotations
@@ -17,16 +23,24 @@ from typing import Any
 from hooks.resources import gateway, labels, names
 from hooks.resources.context import RenderContext
 
-
-def derive_token(key: bytes, parent_uid: str) -> str:
-    return hmac.new(key, parent_uid.encode(), hashlib.sha256).hexdigest()
+EPOCH_ANNOTATION = "serving.noctaya.io/token-epoch"
 
 
-def _observed_token(observed: dict[str, Any] | None) -> str | None:
-    """The base64 token of the observed Secret, if it holds a usable one."""
+def derive_token(key: bytes, parent_uid: str, epoch: int = 0) -> str:
+    seed = parent_uid if epoch == 0 else f"{parent_uid}/epoch-{epoch}"  # epoch 0: tokens made before epochs
+    return hmac.new(key, seed.encode(), hashlib.sha256).hexdigest()
+
+
+def _observed_epoch(observed: dict[str, Any]) -> int:
+    raw = str(((observed.get("metadata") or {}).get("annotations") or {}).get(EPOCH_ANNOTATION, "0"))
+    return int(raw) if raw.isdigit() else -1
+
+
+def _observed_token(observed: dict[str, Any] | None, key: str = gateway.TOKEN_KEY) -> str | None:
+    """A base64 token of the observed Secret, if it holds a usable one under ``key``."""
     if not observed:
         return None
-    value = (observed.get("data") or {}).get(gateway.TOKEN_KEY)
+    value = (observed.get("data") or {}).get(key)
     if not isinstance(value, str) or not value:
         return None
     try:
@@ -37,16 +51,21 @@ def _observed_token(observed: dict[str, Any] | None) -> str | None:
 
 
 def token_secret(ctx: RenderContext, observed: dict[str, Any] | None) -> dict[str, Any]:
-    encoded = _observed_token(observed)
-    if encoded is None:
+    epoch = ctx.config.token_epoch
+    current = _observed_token(observed)
+    previous = _observed_token(observed, gateway.PREVIOUS_TOKEN_KEY)
+    if current is None or observed is None or _observed_epoch(observed) != epoch:
         seed = ctx.uid or f"{ctx.namespace}/{ctx.name}"
-        encoded = base64.b64encode(derive_token(ctx.config.token_key, seed).encode()).decode()
+        fresh = base64.b64encode(derive_token(ctx.config.token_key, seed, epoch).encode()).decode()
+        previous = current if current is not None and current != fresh else previous
+        current = fresh
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": ctx.metadata(names.scaler_token(ctx.name), labels.AUTH),
+        "metadata": ctx.metadata(names.scaler_token(ctx.name), labels.AUTH, {EPOCH_ANNOTATION: str(epoch)}),
         "type": "Opaque",
         # `data` (base64), not `stringData`: the API server returns `data`, so the applied and the
-        # observed object agree and the 3-way merge has nothing to change.
-        "data": {gateway.TOKEN_KEY: encoded},
+        # observed object agree and the 3-way merge has nothing to change. `previous-token` is always
+        # present (the token itself before any rotation): the Pods mount it as a file.
+        "data": {gateway.TOKEN_KEY: current, gateway.PREVIOUS_TOKEN_KEY: previous or current},
     }

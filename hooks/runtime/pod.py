@@ -14,7 +14,7 @@ from typing import Any
 from hooks.api.common import EnvVar
 from hooks.api.llmservice import LLMService
 from hooks.api.runtime import InferenceRuntime, Probe
-from hooks.runtime import scheduling, vendors
+from hooks.runtime import drain, scheduling, vendors
 
 CONTAINER_NAME = "engine"
 PORT_NAME = "http"
@@ -22,6 +22,7 @@ METRICS_PORT_NAME = "metrics"
 CACHE_VOLUME = "model-cache"
 MODEL_VOLUME = "model"
 SHM_VOLUME = "dshm"
+DEFAULT_SHM_SIZE = "1Gi"
 
 # Startup probe when the runtime gives none: 10 s × 60 = ten minutes to pull weights and load.
 DEFAULT_STARTUP = Probe(path="/health", period_seconds=10, timeout_seconds=5, failure_threshold=60)
@@ -154,6 +155,21 @@ def _resources(service: LLMService, runtime: InferenceRuntime) -> dict[str, Any]
     return out
 
 
+def container_security(runtime: InferenceRuntime) -> dict[str, Any]:
+    """Pod Security `restricted` for the serving container, minus what the runtime relaxes."""
+    sec = runtime.spec.security
+    out: dict[str, Any] = {
+        "allowPrivilegeEscalation": sec.allow_privilege_escalation,
+        "capabilities": {"drop": ["ALL"], **({"add": list(sec.add_capabilities)} if sec.add_capabilities else {})},
+        "seccompProfile": {"type": sec.seccomp_profile},
+    }
+    if sec.run_as_user is not None:
+        out |= {"runAsNonRoot": True, "runAsUser": sec.run_as_user}
+    if sec.run_as_group is not None:
+        out["runAsGroup"] = sec.run_as_group
+    return out
+
+
 def pod_template(
     service: LLMService,
     runtime: InferenceRuntime,
@@ -181,9 +197,10 @@ def pod_template(
             mount["subPath"] = source.sub_path
         mounts.append(mount)
         volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": source.location, "readOnly": True}})
-    if spec.shm_size is not None:
-        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
-        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}})
+    # Always memory-backed: the container runtime's 64Mi /dev/shm breaks PyTorch/NCCL tensor
+    # parallelism and data loaders. Pages count toward the memory limit only as they are written.
+    mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size or DEFAULT_SHM_SIZE}})
 
     container: dict[str, Any] = {"name": CONTAINER_NAME, "image": spec.image}
     if spec.image_pull_policy:
@@ -202,12 +219,10 @@ def pod_template(
     container["startupProbe"] = _probe(spec.probes.startup or DEFAULT_STARTUP)
     container["readinessProbe"] = _probe(spec.probes.readiness or DEFAULT_READINESS)
     container["livenessProbe"] = _probe(spec.probes.liveness or DEFAULT_LIVENESS)
-    drain = spec.lifecycle.drain_seconds
-    if drain > 0:
-        # The Service stops routing to a terminating Pod at once; the sleep keeps the engine alive
-        # for in-flight requests before SIGTERM. The `sleep` action needs no shell in the image
-        # (GA since Kubernetes 1.34, on by default since 1.30).
-        container["lifecycle"] = {"preStop": {"sleep": {"seconds": drain}}}
+    pre_stop = drain.pre_stop(runtime)
+    if pre_stop is not None:
+        container["lifecycle"] = {"preStop": pre_stop}
+    container["securityContext"] = container_security(runtime)
 
     pod_spec: dict[str, Any] = {
         # The engine needs no Kubernetes API, and Service-link env (e.g. VLLM_PORT from a Service
@@ -218,6 +233,10 @@ def pod_template(
         "containers": [container],
         "volumes": volumes,
     }
+    fs_group = spec.security.fs_group if spec.security.fs_group is not None else spec.security.run_as_user
+    if fs_group is not None:
+        # Volumes (the cache claim above all) become writable to the non-root engine.
+        pod_spec["securityContext"] = {"fsGroup": fs_group}
     if place.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(place.node_selector.items()))
     if place.tolerations:

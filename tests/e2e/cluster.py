@@ -19,6 +19,7 @@ an address of its own, so its usual ports are free whatever else runs on the mac
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,7 @@ from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, cache
 from tests.third_party import SHARED_THIRD_PARTY, ThirdPartyUnavailable, go_build_cached
 
 HOOK_HOST = "noctaya-hooks.noctaya-system.svc"
-HOOK_PORT = 8080
+HOOK_PORT = 8443
 METACONTROLLER_TARBALL_GLOB = "metacontroller-src-*.tar.gz"
 
 
@@ -160,6 +162,14 @@ class Cluster:
         return "\n".join(line[:400] for line in path.read_text(errors="replace").splitlines()[-lines:])
 
     def start_hook_server(self) -> None:
+        """Over HTTPS with the certificate tools/make-hook-cert.sh put into noctaya-hooks-tls (the
+        controllers verify it against that Secret's ca.crt, as installed)."""
+        tls_dir = self.workdir / "hook-tls"
+        tls_dir.mkdir()
+        tls = self.get("secret", "noctaya-hooks-tls", "noctaya-system")
+        assert tls is not None, "noctaya-hooks-tls missing: run tools/make-hook-cert.sh first"
+        for key in ("tls.crt", "tls.key", "ca.crt"):
+            (tls_dir / key).write_bytes(base64.b64decode(tls["data"][key]))
         token_file = self.workdir / "hook-token"
         token_file.write_text(self.hook_token)
         key_file = self.workdir / "token-key"
@@ -168,12 +178,20 @@ class Cluster:
                "NOCTAYA_TOKEN_KEY_FILE": str(key_file), "PROMETHEUS_MULTIPROC_DIR": str(self.workdir / "prom")}
         (self.workdir / "prom").mkdir()
         self._spawn("hooks", [sys.executable, "-m", "hooks", "serve", "--bind", f"{self.address}:{HOOK_PORT}",
-                              "--workers", "1"], env)
-        self._wait(lambda: requests.get(f"{self.hook_url}/healthz", timeout=2).ok, "hook server", "hooks")
+                              "--workers", "1", "--tls-cert-file", str(tls_dir / "tls.crt"),
+                              "--tls-key-file", str(tls_dir / "tls.key")], env)
+        self._wait(lambda: self._hooks_get("/healthz").ok, "hook server", "hooks")
 
     @property
     def hook_url(self) -> str:
-        return f"http://{self.address}:{HOOK_PORT}"
+        return f"https://{self.address}:{HOOK_PORT}"
+
+    def _hooks_get(self, path: str) -> requests.Response:
+        # The suite's own polling dials the address, not the Service name the certificate names;
+        # Metacontroller, which is what is tested, verifies the certificate.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return requests.get(f"{self.hook_url}{path}", timeout=5, verify=False)
 
     def start_metacontroller(self) -> None:
         """As the ServiceAccount the install binds its RBAC to, in a mount namespace of its own."""
@@ -295,7 +313,7 @@ class Cluster:
 
     def hook_calls(self) -> dict[str, float]:
         """Calls per hook so far, from the hook server's own metrics."""
-        text = requests.get(f"{self.hook_url}/metrics", timeout=5).text
+        text = self._hooks_get("/metrics").text
         calls: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("noctaya_hook_duration_seconds_count{"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def cluster() -> Iterator[Cluster]:
         plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
         plane.kubectl("-n", "noctaya-system", "create", "secret", "generic", "noctaya-hooks",
                       f"--from-literal=hook-token={env.hook_token}", f"--from-literal=token-key={os.urandom(16).hex()}")
+        # The hook server's certificate, made as docs/install.md says (the script calls kubectl).
+        subprocess.run(["bash", str(REPO_ROOT / "tools" / "make-hook-cert.sh")], check=True, capture_output=True,
+                       timeout=120, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "KUBECONFIG": str(plane.kubeconfig),
+                                         "HOME": str(plane.workdir)})
         env.start_hook_server()
         env.start_metacontroller()
         pids = [proc.pid for _name, proc in plane._procs]

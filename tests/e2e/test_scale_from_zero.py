@@ -21,6 +21,7 @@ import openai
 import pytest
 import yaml
 
+from hooks.resources.context import ADMIN_PORT
 from hooks.resources.gateway import READY_GRACE_SECONDS
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
@@ -292,7 +293,7 @@ def _queue(model: Model) -> dict[str, Any]:
     import requests
 
     assert model.gateways is not None
-    return requests.get(f"{model.gateways.url(0, GATEWAY_PORT)}/noctaya/queue", timeout=5).json()
+    return requests.get(f"{model.gateways.url(0, ADMIN_PORT)}/noctaya/queue", timeout=5).json()
 
 
 def test_api_key_and_reject_mode(model_factory: Callable[[str, str], Model], cluster: Cluster,

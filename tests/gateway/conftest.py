@@ -43,6 +43,7 @@ def make_gateway() -> Iterator[Callable[..., ThreadedGateway]]:
             "served_model_name": "test-model",
             "listen_host": "127.0.0.1",
             "listen_port": 0,
+            "admin_port": 0,
             "max_queue": 8,
             "activation_timeout_seconds": 10.0,
             "ready_grace_seconds": 0.5,

@@ -37,7 +37,8 @@ class ThreadedGateway:
             self._hub = gevent.get_hub()
             app = GatewayApp(self.config, pod=self.pod)
             listener = listen_socket(self.config.listen_host, self.config.listen_port, reuse_port=False)
-            self.server = GatewayServer(app, listener, max_connections=self.config.max_connections)
+            admin = listen_socket(self.config.listen_host, self.config.admin_port, reuse_port=False)
+            self.server = GatewayServer(app, listener, max_connections=self.config.max_connections, admin_listener=admin)
             self.server.start()
         except BaseException as exc:  # reported to the starting thread
             self._error = exc
@@ -65,6 +66,12 @@ class ThreadedGateway:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        """The admin port: /metrics and /noctaya/queue."""
+        assert self.server is not None and self.server.admin_port is not None
+        return f"http://127.0.0.1:{self.server.admin_port}"
 
     @property
     def app(self) -> GatewayApp:

@@ -39,7 +39,7 @@ def rss_kib() -> int:
 
 
 def queue(gw) -> dict:
-    return requests.get(gw.url + "/noctaya/queue", timeout=5).json()
+    return requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()
 
 
 def test_flood_admits_exactly_max_queue_and_serves_them_all_once_ready(backend, make_gateway) -> None:
@@ -193,7 +193,7 @@ def test_bodies_held_while_cold_are_bounded_in_bytes(backend, make_gateway) -> N
     assert codes == [200] * 4 + [429] * 6
     refused = [json.loads(body) for status, _, body in results if status == 429]
     assert all(doc["error"]["code"] == "queue_full" for doc in refused)
-    text = requests.get(gw.url + "/metrics", timeout=5).text
+    text = requests.get(gw.admin_url + "/metrics", timeout=5).text
     assert 'noctaya_gateway_rejections_total{reason="queue_bytes_full"} 6.0' in text
 
 

@@ -210,7 +210,7 @@ def test_openai_client_does_not_retry_an_activation_timeout(backend, make_gatewa
         c.chat.completions.create(model="m", messages=MESSAGES)
     assert info.value.status_code == 504 and info.value.response.headers["x-should-retry"] == "false"
     assert time.monotonic() - started < 2.5  # one attempt, not three
-    metrics = requests.get(gw.url + "/metrics", timeout=5).text
+    metrics = requests.get(gw.admin_url + "/metrics", timeout=5).text
     assert 'noctaya_gateway_requests_total{code="504"} 1.0' in metrics
 
 
@@ -222,7 +222,7 @@ def test_retrieving_a_model_while_cold_wakes_nothing(backend, make_gateway) -> N
         c.models.retrieve("other-model")
     assert [m.id for m in c.models.list()] == ["test-model"]
     assert requests.get(gw.url + "/v1/models/", timeout=5).json()["data"][0]["id"] == "test-model"
-    q = requests.get(gw.url + "/noctaya/queue", timeout=5).json()
+    q = requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()
     assert not q["lease"]["active"] and q["demand"]["total"] == 0
     assert not gw.broadcaster.current().active and gw.app.metrics.cold_requests.value == 0
 
@@ -289,3 +289,21 @@ def test_max_connections_holds_exactly_at_the_limit(backend, make_gateway) -> No
     assert fourth.recv(65536).startswith(b"HTTP/1.1 200")
     for sock in [*open_socks, fourth]:
         sock.close()
+
+
+def test_metrics_and_queue_are_served_on_the_admin_port_only(backend, make_gateway) -> None:
+    backend.start()
+    gw = make_gateway(backend)
+    # The public port (behind the LoadBalancer) answers the OpenAI API and health, nothing else.
+    for path in ("/metrics", "/noctaya/queue"):
+        resp = requests.get(gw.url + path, timeout=5)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found", path
+    assert requests.get(gw.url + "/healthz", timeout=5).status_code == 200
+    # The admin port answers monitoring and health, and never forwards to the backend.
+    assert "noctaya_gateway_requests_total" in requests.get(gw.admin_url + "/metrics", timeout=5).text
+    assert "queued" in requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()
+    assert requests.get(gw.admin_url + "/healthz", timeout=5).status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+        resp = requests.request(method, gw.admin_url + path, json={"model": "m", "messages": MESSAGES}, timeout=5)
+        assert resp.status_code == 404, (method, path)
+    assert backend.requests == []

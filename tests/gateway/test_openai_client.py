@@ -80,7 +80,7 @@ def test_cold_stream_gets_200_and_heartbeats_at_once(backend, make_gateway) -> N
         assert next(lines) == b": heartbeat"
         assert next(lines) == b""
         assert next(lines) == b": heartbeat"  # a second one, 0.1 s later, while still cold
-        q = requests.get(gw.url + "/noctaya/queue", timeout=5).json()
+        q = requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()
         assert q["queued"] == 1 and q["lease"]["state"] == "activating" and q["backendReady"] is False
         backend.start()
         rest = b"\n".join(lines)
@@ -106,7 +106,7 @@ def test_reject_mode_answers_503_and_still_wakes_backend(backend, make_gateway) 
     with pytest.raises(openai.InternalServerError):
         client(gw).chat.completions.create(model="m", messages=MESSAGES, stream=True)
     backend.start()
-    wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["backendReady"], what="ready")
+    wait_for(lambda: requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()["backendReady"], what="ready")
     assert client(gw).chat.completions.create(model="m", messages=MESSAGES).choices[0].message.content == EXPECTED
     assert len(backend.requests_to("/v1/chat/completions")) == 1
 
@@ -149,7 +149,7 @@ def test_metrics_cover_codes_cold_activation_ttfb_and_readiness(backend, make_ga
     start_later(backend, 0.3)
     client(gw).chat.completions.create(model="m", messages=MESSAGES)
     requests.get(gw.url + "/nope", timeout=5)
-    text = requests.get(gw.url + "/metrics", timeout=5).text
+    text = requests.get(gw.admin_url + "/metrics", timeout=5).text
     assert 'noctaya_gateway_requests_total{code="200"} 1.0' in text
     assert 'noctaya_gateway_requests_total{code="404"} 1.0' in text
     assert "noctaya_gateway_cold_requests_total 1.0" in text

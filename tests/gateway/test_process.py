@@ -32,6 +32,7 @@ class GatewayProcess:
     def __init__(self, backend: FakeBackend, **env: str) -> None:
         self.port = free_port()
         self.scaler_port = free_port()
+        self.admin_port = free_port()
         full_env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -39,6 +40,7 @@ class GatewayProcess:
             "NOCTAYA_SERVED_MODEL_NAME": "test-model",
             "NOCTAYA_LISTEN_HOST": "127.0.0.1",
             "NOCTAYA_LISTEN_PORT": str(self.port),
+            "NOCTAYA_ADMIN_PORT": str(self.admin_port),
             "NOCTAYA_SCALER_MODE": "local",
             "NOCTAYA_SCALER_PORT": str(self.scaler_port),
             "NOCTAYA_PROBE_INTERVAL_SECONDS": "0.05",
@@ -49,6 +51,7 @@ class GatewayProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=ROOT, env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         wait_for(self._up, timeout=30, interval=0.05, what="gateway process listening")
 
     def _up(self) -> bool:
@@ -273,7 +276,7 @@ def test_scaler_child_is_restarted_and_learns_the_current_demand(backend) -> Non
                 pass  # the gateway is killed at the end of the test while this is still held
 
         threading.Thread(target=held_request, daemon=True).start()
-        wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=2).json()["queued"] == 1,
+        wait_for(lambda: requests.get(gw.admin_url + "/noctaya/queue", timeout=2).json()["queued"] == 1,
                  timeout=10, what="request queued")
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: [p for p in scaler_children(gw.proc.pid) if p != first and pid_alive(p)],
@@ -325,7 +328,7 @@ def test_cold_waiters_get_a_bounded_error_when_the_drain_grace_ends(backend) -> 
         threads = [threading.Thread(target=f, daemon=True) for f in (held, streamed)]
         for t in threads:
             t.start()
-        wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=2).json()["queued"] == 2,
+        wait_for(lambda: requests.get(gw.admin_url + "/noctaya/queue", timeout=2).json()["queued"] == 2,
                  timeout=15, what="two cold waiters")
         gw.proc.send_signal(signal.SIGTERM)
         for t in threads:

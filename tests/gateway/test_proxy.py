@@ -32,7 +32,7 @@ def test_body_over_limit_is_413_before_admission(backend, make_gateway) -> None:
 
     resp = requests.post(gw.url + "/v1/echo", data=gen(), timeout=10)
     assert resp.status_code == 413
-    assert requests.get(gw.url + "/noctaya/queue", timeout=5).json()["queued"] == 0
+    assert requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()["queued"] == 0
     with pytest.raises(openai.APIStatusError) as info:
         openai.OpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "z" * 4096}])
@@ -122,7 +122,7 @@ def test_client_disconnect_reaches_the_backend(backend, make_gateway) -> None:
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     wait_for(lambda: backend.client_disconnects >= 1, timeout=20, what="backend saw the disconnect")
-    wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["inFlight"] == 0, what="slot back")
+    wait_for(lambda: requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()["inFlight"] == 0, what="slot back")
 
 
 def test_unknown_paths_and_keepalive_reuse(backend, make_gateway) -> None:
@@ -147,11 +147,11 @@ def test_client_disconnect_during_a_long_non_streamed_answer_frees_the_slot(back
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=10)
     conn.request("POST", "/v1/chat/completions", json.dumps({"model": "m", "messages": MESSAGES}),
                  {"Content-Type": "application/json"})
-    wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["inFlight"] == 1, what="in flight")
+    wait_for(lambda: requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()["inFlight"] == 1, what="in flight")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     # The backend connection is hung up at once (not after the 30 s answer), freeing the slot.
-    wait_for(lambda: requests.get(gw.url + "/noctaya/queue", timeout=5).json()["inFlight"] == 0, timeout=15,
+    wait_for(lambda: requests.get(gw.admin_url + "/noctaya/queue", timeout=5).json()["inFlight"] == 0, timeout=15,
              what="slot released after client hang-up")
 
 

@@ -53,9 +53,11 @@ class Gateway:
     def __init__(self, backend_port: int, **env: str) -> None:
         self.port = free_port()
         self.scaler_port = free_port()
+        self.admin_port = free_port()
         full = {**os.environ, "PYTHONPATH": str(ROOT), "NOCTAYA_BACKEND_URL": f"http://127.0.0.1:{backend_port}",
                 "NOCTAYA_SERVED_MODEL_NAME": "m", "NOCTAYA_LISTEN_HOST": "127.0.0.1",
-                "NOCTAYA_LISTEN_PORT": str(self.port), "NOCTAYA_SCALER_MODE": "off",
+                "NOCTAYA_LISTEN_PORT": str(self.port), "NOCTAYA_ADMIN_PORT": str(self.admin_port),
+                "NOCTAYA_SCALER_MODE": "off",
                 "NOCTAYA_SCALER_PORT": str(self.scaler_port), "NOCTAYA_PROBE_INTERVAL_SECONDS": "0.05",
                 "NOCTAYA_LOG_LEVEL": "warning", **env}
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=ROOT, env=full,
@@ -72,7 +74,7 @@ class Gateway:
             return False
 
     def queue(self) -> dict:
-        return requests.get(self.url + "/noctaya/queue", timeout=10).json()
+        return requests.get(f"http://127.0.0.1:{self.admin_port}/noctaya/queue", timeout=10).json()
 
     def stop(self) -> str:
         if self.proc.poll() is None:

@@ -45,6 +45,11 @@ def _cold_single_gateway(a: Answer) -> None:
     assert cond(a, "Ready") == "False/Progressing" and cond(a, "AutoscalingReady") == "True/Configured"
     public = child(a, "Service", "qwen-gateway")
     assert [p["name"] for p in public["spec"]["ports"]] == ["http"]  # the gRPC scaler is never public
+    # /metrics and /noctaya/queue live on the container's admin port, which no Service exposes.
+    gateway = child(a, "Deployment", "qwen-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "admin", "containerPort": 9092, "protocol": "TCP"} in gateway["ports"]
+    services = [c for c in a["children"] if c["kind"] == "Service"]
+    assert all(p.get("targetPort") != "admin" and p["port"] != 9092 for s in services for p in s["spec"]["ports"])
 
 
 def _multi_gateway(a: Answer) -> None:

@@ -160,14 +160,17 @@ def observe_all(children: list[dict]) -> list[dict]:
 
 
 def pod(name: str, *, scheduled: bool = True, waiting: str | None = None, last_terminated: str | None = None,
-        restarts: int = 0, ready: bool = False, service: str = "qwen") -> dict:
+        restarts: int = 0, ready: bool = False, service: str = "qwen", component: str = "backend",
+        message: str = "details", terminated_message: str | None = None) -> dict:
     cs: dict[str, Any] = {"name": "engine", "image": "vllm/vllm-openai:v0.8.5", "restartCount": restarts, "ready": ready, "state": {}}
     if waiting:
-        cs["state"] = {"waiting": {"reason": waiting, "message": "details"}}
+        cs["state"] = {"waiting": {"reason": waiting, "message": message}}
     elif ready:
         cs["state"] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
     if last_terminated:
         cs["lastState"] = {"terminated": {"reason": last_terminated, "exitCode": 137}}
+        if terminated_message:
+            cs["lastState"]["terminated"]["message"] = terminated_message
     conditions = []
     if not scheduled:
         conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
@@ -176,7 +179,7 @@ def pod(name: str, *, scheduled: bool = True, waiting: str | None = None, last_t
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"serving.noctaya.io/llmservice": service,
-                                                                      "serving.noctaya.io/component": "backend"}},
+                                                                      "serving.noctaya.io/component": component}},
         "status": {"phase": "Pending" if not ready else "Running", "conditions": conditions,
                    "containerStatuses": [cs] if scheduled else []},
     }

@@ -287,17 +287,21 @@ def test_unauthenticated_request_is_rejected_before_the_body_is_read() -> None:
     assert calls == []
 
 
-def test_token_file_is_read_at_startup_and_trimmed(tmp_path: Path, monkeypatch) -> None:
+def test_token_file_is_trimmed_and_reloaded_when_rotated(tmp_path: Path, monkeypatch) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("file-token\n")  # a Secret key file written with a trailing newline
     monkeypatch.setenv("NOCTAYA_HOOK_TOKEN_FILE", str(token_file))
     client = create_app({SYNC: stub_sync}).test_client()
-    token_file.write_text("rotated-token")  # read once at startup, not per request
-    assert (
-        client.post(SYNC, json=sync_request(), headers={"Authorization": "Bearer file-token"}).status_code
-        == 200
-    )
-    assert client.post(SYNC, json=sync_request()).status_code == 401
+
+    def status(token: str | None) -> int:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return client.post(SYNC, json=sync_request(), headers=headers).status_code
+
+    assert (status("file-token"), status(None)) == (200, 401)
+    token_file.write_text("rotated-token\n")  # the kubelet swapped the Secret: no restart needed
+    assert (status("rotated-token"), status("file-token")) == (200, 401)
+    token_file.unlink()  # a moment without the file keeps the last good token
+    assert (status("rotated-token"), status("file-token")) == (200, 401)
 
 
 def test_empty_token_file_refuses_to_start(tmp_path: Path) -> None:

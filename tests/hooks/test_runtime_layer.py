@@ -88,10 +88,30 @@ def test_probes_drain_and_grace() -> None:
     spec = _pod({}, lifecycle={"drainTimeout": "45s"})["spec"]
     c = spec["containers"][0]
     assert c["startupProbe"]["periodSeconds"] == 10 and c["startupProbe"]["failureThreshold"] == 60
-    assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": 45}}
+    # This runtime names its load gauges: the preStop waits while they say busy, at most 45 s.
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["sh", "-c"] and command[-2] == "45"
     assert spec["terminationGracePeriodSeconds"] >= 45 + 10
+    sleeping = _pod({}, lifecycle={"drainTimeout": "45s", "drainWait": "Sleep"})["spec"]["containers"][0]
+    assert sleeping["lifecycle"]["preStop"] == {"sleep": {"seconds": 45}}
     custom = _pod({}, probes={"readiness": {"path": "/v1/models", "periodSeconds": 2}})["spec"]["containers"][0]
     assert custom["readinessProbe"]["httpGet"] == {"path": "/v1/models", "port": "http"}
+
+
+def test_serving_container_is_restricted_except_what_the_runtime_relaxes() -> None:
+    default = _pod({})["spec"]
+    assert default["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+    assert "securityContext" not in default  # the image's own user: root images keep working (baseline)
+    non_root = _pod({}, security={"runAsUser": 1000})["spec"]
+    assert non_root["containers"][0]["securityContext"]["runAsNonRoot"] is True
+    assert non_root["containers"][0]["securityContext"]["runAsUser"] == 1000
+    assert non_root["securityContext"] == {"fsGroup": 1000}  # the cache volume is writable to it
+    relaxed = _pod({}, security={"addCapabilities": ["IPC_LOCK"], "seccompProfile": "Unconfined", "fsGroup": 5,
+                                 "runAsUser": 7, "runAsGroup": 8})["spec"]
+    sc = relaxed["containers"][0]["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]} and sc["seccompProfile"] == {"type": "Unconfined"}
+    assert sc["runAsGroup"] == 8 and relaxed["securityContext"] == {"fsGroup": 5}
 
 
 def test_pvc_source_mounts_read_only_with_sub_path_and_credentials_stay_out_of_args() -> None:

@@ -197,18 +197,40 @@ def test_progress_deadline_from_the_deployment() -> None:
     assert _cond(answer, "BackendReady")["reason"] == "ProgressDeadlineExceeded"
 
 
-def test_missing_secrets_are_reported_by_existence_only() -> None:
+def test_missing_secrets_are_reported_from_what_the_pods_say_and_secrets_are_never_requested() -> None:
     svc = h.llmservice(endpoint={"auth": {"secretRef": {"name": "keys"}}},
-                       model={"source": "hf://org/m", "credentialsSecret": {"name": "hub"}})
-    present = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hub", "namespace": h.NAMESPACE},
-                "data": {"token": base64.b64encode(b"hf_SUPERSECRET").decode()}}]
-    answer = sync.sync(h.sync_request(svc, secrets=present), h.config())
-    gw = _cond(answer, "GatewayReady")
-    assert (gw["reason"], "keys" in gw["message"]) == ("SecretNotFound", True)
-    text = str(answer)
-    assert "SUPERSECRET" not in text and base64.b64encode(b"hf_SUPERSECRET").decode() not in text
-    missing_hub = sync.sync(h.sync_request(svc, secrets=[]), h.config())
-    assert _cond(missing_hub, "BackendReady")["reason"] == "SecretNotFound"
+                       model={"source": "hf://org/m", "credentialsSecret": {"name": "hub"}},
+                       scalerTLS={"secretName": "tls", "triggerAuthentication": "ta"})
+    # customize never asks for Secrets: Metacontroller would send their data on every sync.
+    rules = customize.customize({"parent": svc}, h.config())["relatedResources"]
+    assert all(r["resource"] != "secrets" for r in rules)
+    assert h.sync_request(svc)["related"].get("Secret.v1") is None
+
+    quiet = sync.sync(h.sync_request(svc, pods=[h.pod("qwen-backend-1", ready=True)]), h.config())
+    assert all(c["reason"] != "SecretNotFound" for c in quiet["status"]["conditions"])
+
+    pods = [
+        # The kubelet's words for an env reference (the hub token) ...
+        h.pod("qwen-backend-1", waiting="CreateContainerConfigError", message='secret "hub" not found'),
+        # ... and the gateway's termination message for its optional auth and TLS volumes.
+        h.pod("qwen-gateway-1", component="gateway", waiting="CrashLoopBackOff", last_terminated="Error",
+              terminated_message='Secret "keys" not found, or it lacks a key: /var/run/noctaya/auth/api-key missing'),
+        h.pod("qwen-gateway-2", component="gateway", last_terminated="Error",
+              terminated_message='Secret "tls" not found, or it lacks a key: /var/run/noctaya/scaler-tls/tls.crt missing'),
+    ]
+    answer = sync.sync(h.sync_request(svc, pods=pods), h.config())
+    backend, gateway, autoscaling_ready = (_cond(answer, t) for t in ("BackendReady", "GatewayReady", "AutoscalingReady"))
+    assert backend["reason"] == "SecretNotFound" and "hub" in backend["message"]
+    assert gateway["reason"] == "SecretNotFound" and "keys" in gateway["message"]
+    assert autoscaling_ready["reason"] == "SecretNotFound" and "tls" in autoscaling_ready["message"]
+    # A missing key in an existing Secret, in the kubelet's other wording.
+    key = h.pod("qwen-backend-1", waiting="CreateContainerConfigError",
+                message="couldn't find key token in Secret models/hub")
+    assert _cond(sync.sync(h.sync_request(svc, pods=[key]), h.config()), "BackendReady")["reason"] == "SecretNotFound"
+    # Another Secret's absence (not ours) names nothing of ours.
+    other = h.pod("qwen-backend-1", waiting="CreateContainerConfigError", message='secret "unrelated" not found')
+    cond = _cond(sync.sync(h.sync_request(svc, pods=[other]), h.config()), "BackendReady")
+    assert "unrelated" in cond["message"] and "model.credentialsSecret" not in cond["message"]
 
 
 def test_invalid_trigger_is_reported_not_rendered() -> None:
@@ -241,6 +263,33 @@ def test_token_is_derived_once_then_reused_from_the_observed_secret() -> None:
     third = sync.sync(h.sync_request(svc, children=[h.as_observed(observed)]), other)
     assert next(c for c in third["children"] if c["kind"] == "Secret")["data"]["token"] == rotated
     assert secrets.derive_token(b"k" * 32, "uid-a") != secrets.derive_token(b"k" * 32, "uid-b")
+
+
+def test_raising_the_token_epoch_rotates_the_token_and_keeps_the_previous_one() -> None:
+    svc = h.llmservice(endpoint={"replicas": 2})
+
+    def secret(config, observed=None) -> dict:
+        children = [h.as_observed(observed)] if observed is not None else []
+        answer = sync.sync(h.sync_request(svc, children=children), config)
+        return next(c for c in answer["children"] if c["kind"] == "Secret")
+
+    def token(epoch: int) -> str:
+        return base64.b64encode(secrets.derive_token(h.TOKEN_KEY, h.UID, epoch).encode()).decode()
+
+    first = secret(h.config())
+    assert first["data"] == {"token": token(0), "previous-token": token(0)}
+    assert first["metadata"]["annotations"][secrets.EPOCH_ANNOTATION] == "0"
+    assert secret(h.config(), first) == first  # an unchanged world: the same answer, byte for byte
+    bumped = dataclasses.replace(h.config(), token_epoch=1)
+    rotated = secret(bumped, first)
+    assert rotated["data"] == {"token": token(1), "previous-token": token(0)} and token(1) != token(0)
+    assert rotated["metadata"]["annotations"][secrets.EPOCH_ANNOTATION] == "1"
+    assert secret(bumped, rotated) == rotated  # rotated once, then stable
+    # Gateways present `token` and fall back to `previous-token`; the aggregator accepts either.
+    multi = {(c["kind"], c["metadata"]["name"]): c for c in sync.sync(h.sync_request(svc), h.config())["children"]}
+    for deployment in ("qwen-gateway", "qwen-aggregator"):
+        env = {e["name"]: e["value"] for e in multi[("Deployment", deployment)]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE"].endswith("/previous-token")
 
 
 def test_single_gateway_scaler_service_selects_the_gateway_multi_selects_the_aggregator() -> None:
@@ -311,7 +360,7 @@ def test_decorator_never_writes_status() -> None:
     so = answer["attachments"][0]
     assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "qwen-backend"}
     trig = so["spec"]["triggers"][0]
-    assert trig["metadata"] == {"scalerAddress": "qwen-scaler.models.svc.cluster.local:9090"}
+    assert trig["metadata"] == {"scalerAddress": "qwen-scaler.models.svc.cluster.local:9090", "targetPerReplica": "10"}
     tls = autoscaling.sync(h.decorator_request(h.llmservice(scalerTLS={"secretName": "s", "triggerAuthentication": "ta"})), h.config())
     trig = tls["attachments"][0]["spec"]["triggers"][0]
     assert trig["metadata"]["enableTLS"] == "true" and trig["authenticationRef"] == {"name": "ta", "kind": "TriggerAuthentication"}
@@ -380,3 +429,18 @@ def test_runtime_change_reaches_every_llmservice_that_uses_it() -> None:
         after = sync.sync(h.sync_request(parent, runtimes=[new], children=observed), h.config())
         assert _backend_image(after) == "vllm/vllm-openai:v0.9.0"
         assert next(c for c in after["status"]["conditions"] if c["type"] == "RuntimeResolved")["status"] == "True"
+
+
+def test_retuning_the_target_rewrites_the_scaled_object_and_never_rolls_the_gateways() -> None:
+    def render(target: int) -> tuple[dict, dict]:
+        service = h.llmservice(scaling={"targetPerReplica": target})
+        so = autoscaling.sync(h.decorator_request(service), h.config())["attachments"][0]
+        answer = sync.sync(h.sync_request(service), h.config())
+        gateway = next(c for c in answer["children"] if c["kind"] == "Deployment" and c["metadata"]["name"] == "qwen-gateway")
+        return so, gateway
+
+    so_10, gateway_10 = render(10)
+    so_3, gateway_3 = render(3)
+    assert so_10["spec"]["triggers"][0]["metadata"]["targetPerReplica"] == "10"
+    assert so_3["spec"]["triggers"][0]["metadata"]["targetPerReplica"] == "3"
+    assert gateway_3 == gateway_10  # same Pod template: no rollout, no dropped held requests

@@ -3,9 +3,11 @@ real helm (built from its Go module), and its output applied server-side to the 
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,7 @@ def test_helm_template_renders_exactly_the_kustomize_install(helm: Path, kube: C
     chart = by_key(template(helm))
     kustomized = by_key([d for d in yaml.safe_load_all(kube.kubectl("kustomize", str(REPO_ROOT / "metacontroller")).stdout) if d])
     secret = chart.pop(("Secret", "noctaya-hooks"))
+    tls = chart.pop(("Secret", "noctaya-hooks-tls"))
     kustomized.pop(("Namespace", NAMESPACE))  # the release namespace (helm --create-namespace)
     assert set(chart) == set(kustomized)
     for key, obj in kustomized.items():
@@ -72,10 +75,24 @@ def test_helm_template_renders_exactly_the_kustomize_install(helm: Path, kube: C
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     again = by_key(template(helm))[("Secret", "noctaya-hooks")]
     assert again["data"]["hook-token"] != secret["data"]["hook-token"]  # random (no cluster to look up)
+    # The generated serving certificate: for the Service Metacontroller dials, signed by ca.crt.
+    assert tls["type"] == "kubernetes.io/tls" and set(tls["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    assert tls["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    cert = base64.b64decode(tls["data"]["tls.crt"])
+    text = subprocess.run(["openssl", "x509", "-noout", "-text"], input=cert, capture_output=True, check=True,
+                          timeout=30).stdout.decode()
+    assert f"DNS:noctaya-hooks.{NAMESPACE}.svc" in text
+    with tempfile.TemporaryDirectory() as work:
+        Path(work, "ca.crt").write_bytes(base64.b64decode(tls["data"]["ca.crt"]))
+        Path(work, "tls.crt").write_bytes(cert)
+        verified = subprocess.run(["openssl", "verify", "-CAfile", "ca.crt", "tls.crt"], cwd=work, capture_output=True,
+                                  timeout=30)
+        assert verified.returncode == 0, verified.stderr
 
 
 def test_values_change_only_what_they_name(helm: Path) -> None:
     docs = by_key(template(helm, "--set", "image.tag=9.9.9", "--set", "hooks.existingSecret=my-hooks",
+                           "--set", "hooks.tls.existingSecret=my-tls",
                            "--set", "hooks.replicas=3", "--set", "metacontroller.serviceAccount.namespace=mc"))
     assert ("Secret", "noctaya-hooks") not in docs  # the user's Secret is used, none generated
     hooks = docs[("Deployment", "noctaya-hooks")]
@@ -84,8 +101,11 @@ def test_values_change_only_what_they_name(helm: Path) -> None:
     assert container["image"] == "ghcr.io/noctaya/noctaya:9.9.9"
     assert {"name": "NOCTAYA_IMAGE", "value": "ghcr.io/noctaya/noctaya:9.9.9"} in container["env"]
     assert hooks["spec"]["template"]["spec"]["volumes"][1]["secret"]["secretName"] == "my-hooks"
+    assert ("Secret", "noctaya-hooks-tls") not in docs
+    assert hooks["spec"]["template"]["spec"]["volumes"][2]["secret"]["secretName"] == "my-tls"
     controller = docs[("CompositeController", "noctaya-llmservice")]
     assert controller["spec"]["hooks"]["sync"]["webhook"]["authorization"]["secretRef"]["name"] == "my-hooks"
+    assert controller["spec"]["hooks"]["sync"]["webhook"]["caBundle"]["secretRef"]["name"] == "my-tls"
     binding = docs[("ClusterRoleBinding", "noctaya-metacontroller")]
     assert binding["subjects"][0]["namespace"] == "mc"
 
@@ -119,14 +139,18 @@ def test_install_upgrade_uninstall_keeps_the_hook_secret(helm: Path) -> None:
         def secret() -> dict[str, str]:
             return json.loads(plane.kubectl("-n", NAMESPACE, "get", "secret", "noctaya-hooks", "-o", "json").stdout)["data"]
 
+        def tls() -> dict[str, str]:
+            return json.loads(plane.kubectl("-n", NAMESPACE, "get", "secret", "noctaya-hooks-tls", "-o", "json").stdout)["data"]
+
         run_helm(helm, "install", "noctaya", str(CHART), "--create-namespace", "--wait=false", *common)
-        first = secret()
+        first, first_tls = secret(), tls()
         assert set(first) == {"hook-token", "token-key"}
         run_helm(helm, "upgrade", "noctaya", str(CHART), "--set", "hooks.replicas=3", *common)
         assert secret() == first  # an upgrade keeps the token Metacontroller sends and the scaler-token key
+        assert tls() == first_tls  # ... and the certificate (and CA) the controllers trust
         assert json.loads(plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "-o", "json").stdout)["spec"]["replicas"] == 3
         run_helm(helm, "uninstall", "noctaya", *common)
-        assert secret() == first  # kept on uninstall (resource-policy: keep)
+        assert secret() == first and tls() == first_tls  # kept on uninstall (resource-policy: keep)
         assert plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "--ignore-not-found", "-o", "name").stdout == ""
     finally:
         plane.stop()

@@ -18,7 +18,7 @@ from tests.kube.manifests import METACONTROLLER_DIR, ApplyUnit, example_units, h
 # Fixture setup (which may build the binaries) has its own deadlines; each test body gets this.
 pytestmark = pytest.mark.timeout(180, func_only=True)
 
-HOOK_HOST = "http://noctaya-hooks.noctaya-system.svc:8080"
+HOOK_HOST = "https://noctaya-hooks.noctaya-system.svc:8443"
 EXAMPLES_NAMESPACE = "examples"
 METACONTROLLER_SA = "system:serviceaccount:metacontroller:metacontroller"
 
@@ -95,6 +95,10 @@ def test_controller_hooks_match_the_hook_server_routes(installed: ControlPlane) 
         auth = hook["webhook"]["authorization"]
         assert auth["type"] == "Bearer"
         assert auth["secretRef"] == {"name": "noctaya-hooks", "namespace": "noctaya-system", "key": "hook-token"}
+        # HTTPS only, verified against the hook server's own CA.
+        assert hook["webhook"]["url"].startswith("https://"), hook
+        assert hook["webhook"]["caBundle"] == {"secretRef": {"name": "noctaya-hooks-tls", "namespace": "noctaya-system",
+                                                             "key": "ca.crt"}}
     composite = {h["hook"] for h in hooks if h["controller"] == "noctaya-llmservice"}
     assert composite == {"customize", "sync", "finalize"}
 
@@ -138,8 +142,11 @@ def test_hook_server_deployment_is_hardened(installed: ControlPlane) -> None:
     assert container["command"] == ["python", "-m", "hooks", "serve"]
     assert container["image"] == "ghcr.io/noctaya/noctaya:0.1.0"
     for probe in ("readinessProbe", "livenessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
-    assert {"name": "http", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    assert {"name": "https", "containerPort": 8443, "protocol": "TCP"} in container["ports"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["NOCTAYA_HOOK_TLS_CERT_FILE"] == "/etc/noctaya/tls/tls.crt"
+    assert {"name": "tls", "secret": {"secretName": "noctaya-hooks-tls", "defaultMode": 0o440}} in pod["volumes"]
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]}
@@ -150,7 +157,7 @@ def test_hook_server_deployment_is_hardened(installed: ControlPlane) -> None:
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"] == deploy["spec"]["selector"]
     svc = get_json(installed, "-n", "noctaya-system", "service", "noctaya-hooks")
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 8080, "protocol": "TCP", "targetPort": "http"}]
+    assert svc["spec"]["ports"] == [{"name": "https", "port": 8443, "protocol": "TCP", "targetPort": "https"}]
     assert svc["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
 
 

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -143,9 +144,24 @@ def make_aggregator(token_file):
         agg.stop()
 
 
-def post(agg: Aggregator, body: object, token: str | None = TOKEN, **kwargs: object) -> requests.Response:
+class _FromAddress(requests.adapters.HTTPAdapter):
+    """Connections from a given loopback source address: each one plays a different Pod."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        super().__init__()
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["source_address"] = (self.source, 0)
+        super().init_poolmanager(*args, **kwargs)
+
+
+def post(agg: Aggregator, body: object, token: str | None = TOKEN, source: str = "127.0.0.1",
+         **kwargs: object) -> requests.Response:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    return requests.post(f"http://127.0.0.1:{agg.port}/v1/report", json=body, headers=headers, timeout=10, **kwargs)
+    with requests.Session() as session:
+        session.mount("http://", _FromAddress(source))
+        return session.post(f"http://127.0.0.1:{agg.port}/v1/report", json=body, headers=headers, timeout=10, **kwargs)
 
 
 def test_report_updates_broadcaster_and_health(make_aggregator) -> None:
@@ -219,7 +235,10 @@ def _slots_exhausted(agg: Aggregator) -> bool:
 
 
 def test_concurrent_report_flood_gets_429(make_aggregator) -> None:
-    agg = make_aggregator(max_concurrent_reports=4, max_connections=64)
+    # Slow bodies hold their report slots here (no per-request deadline, no per-address cap): this
+    # is about the report-slot bound alone.
+    agg = make_aggregator(max_concurrent_reports=4, max_connections=64, request_deadline=60.0,
+                          max_connections_per_address=1000)
     held = [_hold_report(agg.port) for _ in range(4)]
     try:
         assert wait_until(lambda: _slots_exhausted(agg), timeout=10)
@@ -240,13 +259,134 @@ def test_concurrent_report_flood_gets_429(make_aggregator) -> None:
 def test_member_cap_flood(make_aggregator) -> None:
     agg = make_aggregator(max_members=8, max_concurrent_reports=64)
 
-    def flood(i: int) -> int:
-        return post(agg, {"member": f"m{i}", "seq": 1, "queued": 1}).status_code
+    def flood(i: int) -> int:  # 200 gateways (addresses), one member each
+        return post(agg, {"member": f"m{i}", "seq": 1, "queued": 1}, source=f"127.0.3.{i + 1}").status_code
 
     with ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(flood, range(200)))
     assert codes.count(200) == 8 and codes.count(429) == 192
     assert agg.member_count == 8 and agg.broadcaster.current().queued == 8
+
+
+class RealGateways:
+    """Two gateways reporting a fixed demand every 50 ms from their own addresses, counting answers."""
+
+    def __init__(self, agg: Aggregator) -> None:
+        self.agg = agg
+        self.ok = 0
+        self.failed: list[object] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        seq = 0
+        while not self._stop.is_set():
+            seq += 1
+            for member, source, queued in (("real-a", "127.0.5.1", 3), ("real-b", "127.0.5.2", 4)):
+                try:
+                    code = post(self.agg, {"member": member, "seq": seq, "queued": queued, "inFlight": 1},
+                                source=source).status_code
+                except requests.RequestException as exc:
+                    code = type(exc).__name__
+                if code == 200:
+                    self.ok += 1
+                else:
+                    self.failed.append(code)
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> RealGateways:
+        self._thread.start()
+        assert wait_until(lambda: self.agg.member_count >= 2, timeout=10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+EXACT = Demand(queued=7, in_flight=2, lease_active=False)
+
+
+def test_a_token_holder_cannot_evict_or_overwrite_another_gateway(make_aggregator) -> None:
+    agg = make_aggregator()
+    with RealGateways(agg) as real:
+        for body in ({"member": "real-a", "seq": 2**40, "withdraw": True},
+                     {"member": "real-a", "seq": 2**40, "queued": 0},
+                     {"member": "real-b", "seq": 2**40, "queued": 100}):
+            r = post(agg, body, source="127.0.6.1")  # a valid token, another Pod's address
+            assert r.status_code == 403 and "another address" in r.text
+        time.sleep(0.3)
+        assert agg.member_count == 2 and agg.broadcaster.current() == EXACT
+    assert real.ok > 0 and real.failed == []
+
+
+def test_one_address_cannot_fill_the_member_table(make_aggregator) -> None:
+    agg = make_aggregator(max_members=16)
+    with RealGateways(agg) as real:
+        codes = [post(agg, {"member": f"fake-{i}", "seq": 1, "queued": 50}, source="127.0.6.2").status_code
+                 for i in range(40)]
+        assert codes.count(200) == 2 and codes.count(429) == 38  # max_members_per_address
+        post(agg, {"member": "fake-0", "seq": 2, "withdraw": True}, source="127.0.6.2")
+        post(agg, {"member": "fake-1", "seq": 2, "withdraw": True}, source="127.0.6.2")
+        time.sleep(0.3)
+        assert agg.member_count == 2 and agg.broadcaster.current() == EXACT
+        # A new gateway (another address) still gets in.
+        assert post(agg, {"member": "new", "seq": 1}, source="127.0.5.3").status_code == 200
+    assert real.ok > 0 and real.failed == []
+
+
+def test_slow_clients_cannot_take_the_slots_real_reports_need(make_aggregator) -> None:
+    # 8 addresses x 6 connections, no token, headers dribbled a byte every 0.2 s and never finished.
+    # Each address gets at most 4 connections (the rest are refused at once), and each of those is
+    # cut at the 1 s request deadline however slowly it keeps sending, so the 64 connection slots
+    # are never all taken and real reports keep arriving.
+    agg = make_aggregator(max_connections=64, request_deadline=1.0)
+    slow: list[socket.socket] = []
+    try:
+        with RealGateways(agg) as real:
+            before = real.ok
+            for a in range(8):
+                for _ in range(6):
+                    sock = socket.socket()
+                    sock.bind((f"127.0.7.{a + 1}", 0))
+                    sock.settimeout(5)
+                    sock.connect(("127.0.0.1", agg.port))
+                    try:
+                        sock.sendall(b"POST /v1/report HTTP/1.1\r\nHost: x\r\n")
+                    except OSError:
+                        pass
+                    slow.append(sock)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 3.0:
+                for sock in slow:
+                    try:
+                        sock.sendall(b"X")
+                    except OSError:
+                        pass
+                time.sleep(0.2)
+            assert all(_closed_by_server(sock) for sock in slow), "a slow client outlived the request deadline"
+            assert real.ok - before >= 20  # real reports kept arriving during the attack
+            assert agg.broadcaster.current() == EXACT
+        assert real.failed == []
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """True when the server has closed (or refused with 503 and closed) this connection."""
+    sock.settimeout(2)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+            if not data.startswith(b"HTTP/1.1 503"):
+                return False
+    except ConnectionResetError:
+        return True
+    except OSError:
+        return False
 
 
 def test_connection_cap_answers_503(make_aggregator) -> None:

@@ -197,3 +197,38 @@ def test_logged_url_has_no_credentials() -> None:
 
     assert _without_userinfo("http://u:pw@agg.models:9091/v1/report") == "http://agg.models:9091/v1/report"
     assert _without_userinfo("http://agg:9091/v1/report") == "http://agg:9091/v1/report"
+
+
+@pytest.mark.parametrize("updated_first", ["aggregator", "gateway"])
+def test_a_token_rotation_loses_no_report_whichever_pod_sees_it_first(tmp_path: Path, updated_first: str) -> None:
+    """The hooks rotate the token: the Secret now holds the new `token` and the old one as
+    `previous-token`. The kubelet updates each Pod's copy on its own schedule."""
+    old, new = "token-epoch-0-0123456789", "token-epoch-1-9876543210"
+    agg_dir, gw_dir = tmp_path / "aggregator", tmp_path / "gateway"
+    for directory in (agg_dir, gw_dir):
+        directory.mkdir()
+        (directory / "token").write_text(old)
+        (directory / "previous-token").write_text(old)
+    ahead = agg_dir if updated_first == "aggregator" else gw_dir
+    (ahead / "token").write_text(new)
+    (ahead / "previous-token").write_text(old)
+    agg = Aggregator(AggregatorSettings(token_file=str(agg_dir / "token"),
+                                        previous_token_file=str(agg_dir / "previous-token")), DemandBroadcaster())
+    agg.start("127.0.0.1", 0)
+    broadcaster = DemandBroadcaster()
+    reporter = DemandReporter(url(agg), str(gw_dir / "token"), broadcaster, interval=0.2,
+                              previous_token_file=str(gw_dir / "previous-token")).start()
+    try:
+        broadcaster.publish(Demand(queued=3, in_flight=1, lease_active=True))
+        assert wait_until(lambda: agg.broadcaster.current() == Demand(3, 1, True), timeout=10)
+        assert reporter.failures == 0
+        # A token from neither epoch is still refused.
+        (gw_dir / "token").write_text("a-token-nobody-issued-0000")
+        (gw_dir / "previous-token").write_text("a-token-nobody-issued-1111")
+        failures = reporter.failures
+        broadcaster.publish(Demand(queued=5, in_flight=1, lease_active=True))
+        assert wait_until(lambda: reporter.failures > failures, timeout=10)
+        assert agg.broadcaster.current() == Demand(3, 1, True)
+    finally:
+        reporter.stop(withdraw=False)
+        agg.stop()

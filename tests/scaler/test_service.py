@@ -74,6 +74,25 @@ def test_metric_spec_and_metrics_int_and_float(broadcaster, start_server, open_s
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_target_comes_from_the_trigger_metadata_keda_sends(broadcaster, start_server, open_stub) -> None:
+    # scaling.targetPerReplica rides in the ScaledObject's trigger metadata: retuning needs no gateway restart.
+    stub = open_stub(start_server(broadcaster, metric_name="qwen-demand", target=7).port)
+
+    def target(**metadata: str) -> int:
+        ref = pb.ScaledObjectRef(name="qwen", namespace="models", scalerMetadata={"scalerAddress": "x:9090", **metadata})
+        (spec,) = stub.GetMetricSpec(ref, timeout=10).metricSpecs
+        assert spec.targetSizeFloat == float(spec.targetSize)
+        return spec.targetSize
+
+    assert target(targetPerReplica="3") == 3
+    assert target(targetPerReplica="25") == 25
+    assert target() == 7  # a ScaledObject from before the key existed: the configured target
+    for bad in ("0", "-1", "2.5", "ten", "", "99999999999"):
+        with pytest.raises(grpc.RpcError) as err:
+            target(targetPerReplica=bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "targetPerReplica" in err.value.details()
+
+
 def test_metric_name_must_be_path_safe() -> None:
     assert validate_metric_name("noctaya-demand") == "noctaya-demand"
     for bad in ("", "Upper", "a/b", "a b", "-lead", "trail-", "x" * 64, "../x"):

@@ -4,11 +4,11 @@
     python tools/chart/generate.py --check    # exit 1 when the committed chart differs
 
 Every object of `metacontroller/` becomes a template with the same content, except what a Helm user
-sets: the namespace (the release's), the hook server's image, pull policy and replicas, the hook
-Secret's name (an existing Secret, or the one the chart generates once and keeps), and the
-ServiceAccount Metacontroller runs as. The Namespace object is left to `--create-namespace`.
+sets: the namespace (the release's), the hook server's image, pull policy and replicas, the names of
+the hook Secret and of the hook server's TLS Secret (existing Secrets, or the ones the chart generates
+once and keeps), and the ServiceAccount Metacontroller runs as. The Namespace object is left to `--create-namespace`.
 tests/kube/test_chart.py checks that `helm template` with the default values renders exactly what
-`kubectl kustomize metacontroller/` does (besides that Secret).
+`kubectl kustomize metacontroller/` does (besides those Secrets).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ CRDS = ROOT / "crds"
 CHART = ROOT / "charts" / "noctaya"
 INSTALL_NAMESPACE = "noctaya-system"
 HOOK_SECRET = "noctaya-hooks"
+TLS_SECRET = "noctaya-hooks-tls"
 IMAGE = "ghcr.io/noctaya/noctaya:0.1.0"
 PART_OF = {"app.kubernetes.io/part-of": "noctaya"}  # the label metacontroller/kustomization.yaml adds
 
@@ -33,6 +34,7 @@ PART_OF = {"app.kubernetes.io/part-of": "noctaya"}  # the label metacontroller/k
 TEMPLATE = {
     "@@NS@@": "{{ .Release.Namespace }}",
     "@@SECRET@@": '{{ include "noctaya.hookSecret" . }}',
+    "@@TLS_SECRET@@": '{{ include "noctaya.hookTLSSecret" . }}',
     "@@IMAGE@@": '{{ include "noctaya.image" . }}',
     "@@PULL@@": "{{ .Values.image.pullPolicy }}",
     "@@REPLICAS@@": "{{ .Values.hooks.replicas }}",
@@ -48,8 +50,12 @@ def _walk(node: Any, parent_key: str = "") -> Any:
         for key, value in node.items():
             if key == "secretRef" and isinstance(value, dict) and value.get("name") == HOOK_SECRET:
                 value = {**value, "name": "@@SECRET@@", "namespace": "@@NS@@"}
+            elif key == "secretRef" and isinstance(value, dict) and value.get("name") == TLS_SECRET:
+                value = {**value, "name": "@@TLS_SECRET@@", "namespace": "@@NS@@"}
             elif key == "secret" and isinstance(value, dict) and value.get("secretName") == HOOK_SECRET:
                 value = {**value, "secretName": "@@SECRET@@"}
+            elif key == "secret" and isinstance(value, dict) and value.get("secretName") == TLS_SECRET:
+                value = {**value, "secretName": "@@TLS_SECRET@@"}
             out[key] = _walk(value, key)
         return out
     if isinstance(node, list):

@@ -7,3 +7,8 @@
 {{- define "noctaya.hookSecret" -}}
 {{ .Values.hooks.existingSecret | default "noctaya-hooks" }}
 {{- end -}}
+
+{{/* The hook server's TLS Secret (tls.crt, tls.key, ca.crt): the user's, or the one this chart keeps. */}}
+{{- define "noctaya.hookTLSSecret" -}}
+{{ .Values.hooks.tls.existingSecret | default "noctaya-hooks-tls" }}
+{{- end -}}

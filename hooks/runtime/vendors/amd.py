@@ -1,4 +1,10 @@
-"""AMD Instinct GPUs through the ROCm device plugin."""
+"""AMD Instinct GPUs through the ROCm device plugin.
+
+Security: nothing to relax for serving. The device plugin passes /dev/kfd and /dev/dri; ROCm's own
+docker examples add SYS_PTRACE and an unconfined seccomp profile for profiling and debugging tools
+(rocprof, rocgdb), which a serving engine does not run. A runtime that needs them says so in
+`security` (both leave `restricted`; SYS_PTRACE also leaves `baseline`).
+"""
 
 from hooks.runtime.vendors.base import VendorAdapter
 

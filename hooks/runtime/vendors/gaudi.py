@@ -1,4 +1,8 @@
-"""Intel Gaudi accelerators through the Habana device plugin."""
+"""Intel Gaudi accelerators through the Habana device plugin.
+
+Security: nothing to relax. The Habana container runtime injects devices and driver libraries;
+host networking for scale-out (RoCE) is not used for single-node serving.
+"""
 
 from hooks.runtime.vendors.base import VendorAdapter
 

@@ -1,4 +1,7 @@
-"""CPU only: no extended resource, no toleration."""
+"""CPU only: no extended resource, no toleration.
+
+Security: nothing to relax.
+"""
 
 from hooks.runtime.vendors.base import VendorAdapter
 

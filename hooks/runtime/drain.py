@@ -1,0 +1,77 @@
+"""The serving container's preStop hook: wait for in-flight requests, not for the clock.
+
+On scale-in (and on every scale to zero) the Pod leaves the Service at once, and the preStop hook
+keeps the engine alive for the requests it is still answering; SIGTERM follows when it returns. A
+fixed sleep holds the accelerator for the whole drain timeout even when nothing is in flight, so the
+hook asks the engine instead: it polls the engine's own load gauges (the runtime's
+``metrics.inFlightMetric`` and ``waitingMetric``) over localhost and returns as soon as their sum is
+0, bounded by ``lifecycle.drainTimeout``.
+
+The program is POSIX sh run in the engine's image, which brings no Noctaya code: it fetches with
+whichever of curl, wget or python3 the image has (vLLM and SGLang images have python3, llama.cpp's
+server image curl). With none of them it sleeps the whole timeout, as before; when the engine stops
+answering there is nothing left to wait for. Runtimes without the gauges, or with
+``lifecycle.drainWait: Sleep`` (images without sh), keep the kubelet's `sleep` action.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hooks.api.runtime import InferenceRuntime
+
+# $1 port, $2 metrics path, $3 limit in seconds, $4 space-separated gauge names.
+WAIT_FOR_IDLE = r"""
+port=$1 path=$2 limit=$3 gauges=$4
+url="http://127.0.0.1:$port$path"
+if command -v curl >/dev/null 2>&1; then fetch() { curl -fsS --max-time 2 "$url"; }
+elif command -v wget >/dev/null 2>&1; then fetch() { wget -q -T 2 -O - "$url"; }
+elif command -v python3 >/dev/null 2>&1; then
+  fetch() { python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode())' "$url"; }
+else echo "noctaya drain: no curl, wget or python3; waiting ${limit}s"; sleep "$limit"; exit 0; fi
+# Waited at least $waited s (one sleep per round), and date's whole seconds cap slow rounds.
+start=$(date +%s) waited=0
+while :; do
+  out=$(fetch) || { echo "noctaya drain: engine not answering; stopping"; exit 0; }
+  busy=$(printf '%s\n' "$out" | awk -v gauges="$gauges" '
+    BEGIN { n = split(gauges, g, " ") }
+    /^#/ { next }
+    { name = $0; sub(/[{ \t].*$/, "", name)
+      for (i = 1; i <= n; i++) if (name == g[i]) {
+        rest = $0; sub(/^[^{ \t]*(\{[^}]*\})?[ \t]+/, "", rest); split(rest, v, /[ \t]+/); total += v[1] } }
+    END { print (total > 0) ? 1 : 0 }')
+  [ "$busy" = 0 ] && { echo "noctaya drain: nothing in flight; stopping"; exit 0; }
+  if [ "$waited" -ge "$limit" ] || [ $(( $(date +%s) - start )) -gt "$limit" ]; then
+    echo "noctaya drain: still busy after ${limit}s; stopping"; exit 0
+  fi
+  sleep 1; waited=$(( waited + 1 ))
+done
+""".strip()
+
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def load_gauges(runtime: InferenceRuntime) -> list[str]:
+    """The engine gauges whose sum is its in-flight work (empty when the runtime names none)."""
+    metrics = runtime.spec.metrics
+    if metrics is None:
+        return []
+    names = [m for m in (metrics.in_flight_metric, metrics.waiting_metric) if m]
+    return names if all(_METRIC_NAME.match(m) for m in names) else []
+
+
+def pre_stop(runtime: InferenceRuntime) -> dict[str, Any] | None:
+    """The serving container's preStop handler, or None when the runtime drains for 0 seconds."""
+    spec = runtime.spec
+    limit = spec.lifecycle.drain_seconds
+    if limit <= 0:
+        return None
+    gauges = load_gauges(runtime)
+    if spec.lifecycle.drain_wait == "Sleep" or not gauges:
+        # The `sleep` action needs nothing in the image (GA since Kubernetes 1.34, on since 1.30).
+        return {"sleep": {"seconds": limit}}
+    port = spec.metrics.port if spec.metrics is not None and spec.metrics.port is not None else spec.port
+    path = spec.metrics.path if spec.metrics is not None else "/metrics"
+    return {"exec": {"command": ["sh", "-c", WAIT_FOR_IDLE, "noctaya-drain", str(port), path, str(limit),
+                                 " ".join(gauges)]}}

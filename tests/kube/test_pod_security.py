@@ -1,0 +1,119 @@
+"""Every Pod the hooks render, for every example runtime (every vendor) and every cache strategy, is
+admitted by the real API server's Pod Security admission in a namespace enforcing `baseline`; and
+in one enforcing `restricted` wherever the project promises it (see the table in each test).
+
+The Pods are the rendered Deployments' templates, created with a server-side dry run (admission runs,
+nothing is stored), as the ReplicaSet controller would create them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hooks.render import render_documents
+from tests.kube.apiserver import ControlPlane
+from tests.kube.manifests import EXAMPLES_DIR
+
+pytestmark = pytest.mark.timeout(300, func_only=True)
+
+RUNTIMES = sorted((EXAMPLES_DIR / "runtimes").glob("*.yaml"))
+CACHES: dict[str, dict[str, Any]] = {
+    "NodeLocalPVC": {"strategy": "NodeLocalPVC", "size": "20Gi"},
+    "SharedPVC": {"strategy": "SharedPVC", "size": "20Gi"},
+    "HostPath": {"strategy": "HostPath", "hostPath": "/var/lib/noctaya/models"},
+    "None": {"strategy": "None"},
+}
+LEVELS = ("baseline", "restricted")
+
+
+def runtime_doc(path: Path) -> dict[str, Any]:
+    (doc,) = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "InferenceRuntime"]
+    return doc
+
+
+def pods(runtime: dict[str, Any], cache: str, multi: bool) -> dict[str, dict[str, Any]]:
+    """component -> a Pod built from each rendered Deployment's template."""
+    vendor = runtime["spec"].get("accelerator", {}).get("vendor", "nvidia")
+    service = {
+        "apiVersion": "serving.noctaya.io/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "psa", "namespace": "psa"},
+        "spec": {"model": {"source": "hf://org/model"}, "runtime": {"name": runtime["metadata"]["name"]},
+                 "resources": {"accelerators": 0 if vendor == "none" else 1},
+                 "cache": CACHES[cache], "endpoint": {"replicas": 2 if multi else 1}},
+    }
+    out = {}
+    for obj in render_documents([runtime, service]):
+        if obj["kind"] == "Deployment":
+            template = obj["spec"]["template"]
+            component = template["metadata"]["labels"]["serving.noctaya.io/component"]
+            out[component] = {"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": f"psa-{component}", "labels": template["metadata"]["labels"]},
+                              "spec": template["spec"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def namespaces(kube: ControlPlane) -> dict[str, str]:
+    """One namespace per level, enforcing it (and the `default` ServiceAccount Pods need)."""
+    made = {}
+    for level in LEVELS:
+        name = f"psa-{level}"
+        kube.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": level,
+                                                  "pod-security.kubernetes.io/enforce-version": "latest"}}}))
+        kube.kubectl("-n", name, "create", "serviceaccount", "default", check=False)
+        made[level] = name
+    return made
+
+
+def admitted(kube: ControlPlane, namespace: str, pod: dict[str, Any]) -> tuple[bool, str]:
+    out = kube.kubectl("-n", namespace, "create", "--dry-run=server", "-o", "name", "-f", "-",
+                       stdin=json.dumps(pod), check=False)
+    return out.returncode == 0, out.stderr.strip()
+
+
+def runs_as_non_root(runtime: dict[str, Any]) -> bool:
+    return bool(runtime["spec"].get("security", {}).get("runAsUser"))
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("path", RUNTIMES, ids=lambda p: p.stem)
+def test_rendered_pods_meet_the_pod_security_levels_promised(kube: ControlPlane, namespaces: dict[str, str],
+                                                              path: Path, cache: str) -> None:
+    runtime = runtime_doc(path)
+    rendered = {**pods(runtime, cache, multi=False), **pods(runtime, cache, multi=True)}
+    assert set(rendered) == {"backend", "gateway", "aggregator"}
+    for component, pod in rendered.items():
+        for level in LEVELS:
+            ok, why = admitted(kube, namespaces[level], pod)
+            if component != "backend":
+                # Noctaya's own Pods run as a fixed non-root user with nothing to relax.
+                assert ok, f"{component} refused by {level}: {why}"
+            elif cache == "HostPath":
+                # A node directory is what `baseline` forbids: HostPath caches need a privileged namespace.
+                assert not ok and "hostPath" in why, f"{level}: {why or 'admitted'}"
+            elif level == "baseline" or runs_as_non_root(runtime):
+                assert ok, f"backend ({path.stem}, {cache}) refused by {level}: {why}"
+            else:
+                # An engine image that runs as root: the user is the only thing `restricted` objects to.
+                assert not ok and "runAsNonRoot" in why, why
+                assert "allowPrivilegeEscalation" not in why and "capabilities" not in why and "seccomp" not in why, why
+
+
+def test_a_runtime_relaxing_capabilities_leaves_restricted_only_as_far_as_it_asks(
+        kube: ControlPlane, namespaces: dict[str, str]) -> None:
+    runtime = runtime_doc(EXAMPLES_DIR / "runtimes" / "llamacpp-cpu.yaml")
+    runtime["spec"]["security"] = {"runAsUser": 1000, "addCapabilities": ["CHOWN"]}
+    backend = pods(runtime, "None", multi=False)["backend"]
+    ok, why = admitted(kube, namespaces["baseline"], backend)
+    assert ok, why  # CHOWN is in the container runtime's default set, which baseline allows
+    ok, why = admitted(kube, namespaces["restricted"], backend)
+    assert not ok and "CHOWN" in why
+    runtime["spec"]["security"] = {"runAsUser": 1000, "addCapabilities": ["IPC_LOCK"]}
+    ok, why = admitted(kube, namespaces["baseline"], pods(runtime, "None", multi=False)["backend"])
+    assert not ok and "IPC_LOCK" in why  # RDMA's pinned memory needs a privileged namespace
