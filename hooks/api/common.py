@@ -131,6 +131,22 @@ class SecretKeyRef(ApiModel):
     )
 
 
+class LocalObjectReference(ApiModel):
+    """A Secret in the LLMService's namespace, by name (the shape of a Pod's imagePullSecrets)."""
+
+    name: DNSSubdomain = Field(description="Name of the Secret.")
+
+
+def pull_secret_names(*lists: list[LocalObjectReference]) -> list[dict[str, str]]:
+    """imagePullSecrets entries, in order, without duplicates."""
+    seen: list[str] = []
+    for refs in lists:
+        for ref in refs:
+            if ref.name not in seen:
+                seen.append(ref.name)
+    return [{"name": n} for n in seen]
+
+
 class EnvVar(ApiModel):
     """An environment variable for the serving container (same shape as a container's env)."""
 

@@ -16,6 +16,7 @@ from hooks.api.common import (
     Duration,
     EnvVar,
     LabelSelector,
+    LocalObjectReference,
     ObjectMeta,
     PrinterColumn,
     Quantity,
@@ -337,7 +338,13 @@ class ScalerTLS(ApiModel):
         description="kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt (the CA that signs KEDA's client cert)."
     )
     trigger_authentication: DNSLabel = Field(
-        description="KEDA TriggerAuthentication carrying caCert, tlsClientCert and tlsClientKey for KEDA's side."
+        description="KEDA TriggerAuthentication (or ClusterTriggerAuthentication, see triggerAuthenticationKind) "
+        "carrying caCert, tlsClientCert and tlsClientKey for KEDA's side."
+    )
+    trigger_authentication_kind: Literal["TriggerAuthentication", "ClusterTriggerAuthentication"] = Field(
+        default="TriggerAuthentication",
+        description="ClusterTriggerAuthentication lets one KEDA client certificate, kept in KEDA's own namespace, serve "
+        "every namespace.",
     )
 
 
@@ -351,6 +358,12 @@ class LLMServiceSpec(ApiModel):
     cache: Cache = Field(default_factory=Cache, description="Model cache and prewarm.")
     endpoint: Endpoint = Field(default_factory=Endpoint, description="The gateway: admission, cold mode, auth, Service.")
     scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler.")
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Registry credentials (kubernetes.io/dockerconfigjson Secrets in this namespace) for every Pod "
+        "rendered for this LLMService: backend, gateways, aggregate scaler; added to the runtime's own.",
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(

@@ -14,8 +14,11 @@ from hooks.api.common import (
     API_VERSION,
     ApiModel,
     CRDInfo,
+    DNSLabel,
+    DNSSubdomain,
     Duration,
     EnvVar,
+    LocalObjectReference,
     ObjectMeta,
     Port,
     PrinterColumn,
@@ -92,13 +95,32 @@ class Scheduling(ApiModel):
 
 
 class Probe(ApiModel):
-    """An HTTP probe against the engine's port."""
+    """A probe of the serving container: HTTP (the default), TCP, Exec or gRPC, as Kubernetes has them."""
 
-    path: str = Field(default="/health", description="HTTP path probed on the engine port.", pattern=r"^/")
+    type: Literal["HTTP", "TCP", "Exec", "GRPC"] = Field(default="HTTP", description="Kind of probe.")
+    path: str = Field(default="/health", description="HTTP path probed (type HTTP).", pattern=r"^/")
+    scheme: Literal["HTTP", "HTTPS"] = Field(default="HTTP", description="HTTP or HTTPS (type HTTP).")
+    port: Port | None = Field(
+        default=None, description="Port probed (HTTP, TCP, GRPC); defaults to the engine port."
+    )
+    command: list[str] = Field(
+        default_factory=list, max_length=32, description="Command run in the container (type Exec); exit 0 = success."
+    )
+    service: str | None = Field(
+        default=None, max_length=253, description="gRPC health service name (type GRPC); empty = the server's overall health."
+    )
     initial_delay_seconds: int = Field(default=0, ge=0, description="Delay before the first probe.")
     period_seconds: int = Field(default=10, ge=1, description="Seconds between probes.")
     timeout_seconds: int = Field(default=5, ge=1, description="Seconds before a probe attempt times out.")
     failure_threshold: int = Field(default=3, ge=1, description="Consecutive failures before the probe fails.")
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="self.type != 'Exec' || (has(self.command) && size(self.command) > 0)",
+            message="an Exec probe needs a command",
+            check=lambda s: s.type != "Exec" or bool(s.command),
+        ),
+    )
 
 
 class Probes(ApiModel):
@@ -110,7 +132,8 @@ class Probes(ApiModel):
     )
     readiness: Probe | None = Field(
         default=None,
-        description="Readiness probe; its path is also what the gateway polls before forwarding. Default /health.",
+        description="Readiness probe; when it is an HTTP probe its path is also what the gateway polls before "
+        "forwarding (for any other type the gateway polls /v1/models). Default /health.",
     )
     liveness: Probe | None = Field(default=None, description="Liveness probe; defaults to /health every 10s, 6 failures.")
 
@@ -171,6 +194,33 @@ class RuntimeMetrics(ApiModel):
 
 
 Capability = Annotated[str, Field(pattern=r"^[A-Z][A-Z0-9_]*$", max_length=32)]
+RESERVED_VOLUMES = ("model-cache", "model", "dshm")  # the volumes Noctaya itself mounts
+
+
+class RuntimeVolume(ApiModel):
+    """An extra volume of the serving container that an accelerator stack or engine needs, e.g. the
+    Ascend driver from the node (hostPath, which Pod Security `baseline` refuses) or a config file."""
+
+    name: DNSLabel = Field(description="Volume name (not model-cache, model or dshm, which Noctaya uses).")
+    mount_path: str = Field(description="Where the serving container sees it.", pattern=r"^/")
+    read_only: bool = Field(default=True, description="Mount read-only.")
+    host_path: str | None = Field(default=None, description="A node directory or file.", pattern=r"^/")
+    config_map: DNSSubdomain | None = Field(default=None, description="A ConfigMap in the LLMService's namespace.")
+    secret: DNSSubdomain | None = Field(default=None, description="A Secret in the LLMService's namespace.")
+    empty_dir: bool = Field(default=False, description="A scratch directory that lives as long as the Pod.")
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="[has(self.hostPath), has(self.configMap), has(self.secret), self.emptyDir].filter(x, x).size() == 1",
+            message="a runtime volume needs exactly one of hostPath, configMap, secret or emptyDir",
+            check=lambda s: [s.host_path is not None, s.config_map is not None, s.secret is not None, s.empty_dir].count(True) == 1,
+        ),
+        Rule(
+            cel="!(self.name in ['model-cache', 'model', 'dshm'])",
+            message="runtime volume names model-cache, model and dshm are Noctaya's own",
+            check=lambda s: s.name not in RESERVED_VOLUMES,
+        ),
+    )
 
 
 class RuntimeSecurity(ApiModel):
@@ -210,6 +260,12 @@ class InferenceRuntimeSpec(ApiModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy of the serving container."
     )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Registry credentials for the engine image, by name; each must exist in the namespace of every "
+        "LLMService using this runtime (a missing one leaves the Pod in ImagePullBackOff, reported as ImagePullFailed).",
+    )
     command: list[str] = Field(default_factory=list, description="Container command (entrypoint override).")
     args: list[str] = Field(
         default_factory=list,
@@ -241,6 +297,11 @@ class InferenceRuntimeSpec(ApiModel):
     scheduling: Scheduling = Field(default_factory=Scheduling, description="Scheduler selection and hints.")
     probes: Probes = Field(default_factory=Probes, description="Startup, readiness and liveness probes.")
     lifecycle: Lifecycle = Field(default_factory=Lifecycle, description="Drain on termination.")
+    volumes: list[RuntimeVolume] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Extra volumes of the serving container (driver mounts from the node, config files).",
+    )
     security: RuntimeSecurity = Field(
         default_factory=RuntimeSecurity,
         description="Security context of the serving container (restricted by default, except the user).",

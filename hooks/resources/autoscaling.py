@@ -76,7 +76,7 @@ def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
         # KEDA turns TLS on from enableTLS (or from the certificates); the PEMs come from the
         # TriggerAuthentication (caCert, tlsClientCert, tlsClientKey), never from the scaler.
         demand["metadata"]["enableTLS"] = "true"
-        demand["authenticationRef"] = {"name": tls.trigger_authentication, "kind": "TriggerAuthentication"}
+        demand["authenticationRef"] = {"name": tls.trigger_authentication, "kind": tls.trigger_authentication_kind}
     triggers = [demand]
     problems: list[str] = []
     for index, trigger in enumerate(scaling.triggers):

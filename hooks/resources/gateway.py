@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hooks.api.common import pull_secret_names
 from hooks.resources import backend, labels, names
 from hooks.resources.context import (
     ADMIN_PORT,
@@ -57,8 +58,11 @@ def restricted_container_security() -> dict[str, Any]:
     }
 
 
-def restricted_pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+def restricted_pod_spec(ctx: RenderContext, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Pod of Noctaya's own image (gateway, aggregate scaler): restricted, no API credentials."""
+    pull = pull_secret_names(ctx.service.spec.image_pull_secrets)
     return {
+        **({"imagePullSecrets": pull} if pull else {}),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {
@@ -225,7 +229,7 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
         "livenessProbe": http_probe("/healthz", "http", 10, 6),
         "volumeMounts": mounts,
     }
-    pod_spec = restricted_pod_spec([container], volumes)
+    pod_spec = restricted_pod_spec(ctx, [container], volumes)
     if ctx.multi_gateway:
         pod_spec["affinity"] = _anti_affinity(ctx)
     return {

@@ -79,7 +79,7 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
             "revisionHistoryLimit": 3,
             "template": {
                 "metadata": {"labels": labels.labels(ctx.name, labels.AGGREGATOR)},
-                "spec": gateway.restricted_pod_spec([container], volumes),
+                "spec": gateway.restricted_pod_spec(ctx, [container], volumes),
             },
         },
     }

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hooks.api.common import EnvVar
+from hooks.api.common import EnvVar, pull_secret_names
 from hooks.api.llmservice import LLMService
-from hooks.api.runtime import InferenceRuntime, Probe
+from hooks.api.runtime import InferenceRuntime, Probe, RuntimeVolume
 from hooks.runtime import drain, scheduling, vendors
 
 CONTAINER_NAME = "engine"
@@ -38,8 +38,14 @@ class CacheMount:
     read_only: bool = False
 
 
+# What the gateway polls when the readiness probe is not HTTP: every OpenAI-compatible engine serves it.
+FALLBACK_READINESS_PATH = "/v1/models"
+
+
 def readiness_path(runtime: InferenceRuntime) -> str:
-    return (runtime.spec.probes.readiness or DEFAULT_READINESS).path
+    """The HTTP path the gateway polls before forwarding."""
+    probe = runtime.spec.probes.readiness or DEFAULT_READINESS
+    return probe.path if probe.type == "HTTP" else FALLBACK_READINESS_PATH
 
 
 def startup_budget_seconds(runtime: InferenceRuntime) -> int:
@@ -87,9 +93,21 @@ def _wire_env(env: list[EnvVar]) -> list[dict[str, Any]]:
     return [e.wire() for e in env]
 
 
-def _probe(p: Probe) -> dict[str, Any]:
+def _probe(p: Probe, engine_port: int) -> dict[str, Any]:
+    if p.type == "TCP":
+        handler: dict[str, Any] = {"tcpSocket": {"port": p.port or PORT_NAME}}
+    elif p.type == "Exec":
+        handler = {"exec": {"command": list(p.command)}}
+    elif p.type == "GRPC":
+        # grpc.port must be a number (no port names for gRPC probes).
+        handler = {"grpc": {"port": p.port or engine_port, **({"service": p.service} if p.service else {})}}
+    else:
+        http: dict[str, Any] = {"path": p.path, "port": p.port or PORT_NAME}
+        if p.scheme == "HTTPS":
+            http["scheme"] = "HTTPS"
+        handler = {"httpGet": http}
     probe: dict[str, Any] = {
-        "httpGet": {"path": p.path, "port": PORT_NAME},
+        **handler,
         "periodSeconds": p.period_seconds,
         "timeoutSeconds": p.timeout_seconds,
         "failureThreshold": p.failure_threshold,
@@ -155,6 +173,16 @@ def _resources(service: LLMService, runtime: InferenceRuntime) -> dict[str, Any]
     return out
 
 
+def runtime_volume_source(volume: RuntimeVolume) -> dict[str, Any]:
+    if volume.host_path is not None:
+        return {"hostPath": {"path": volume.host_path}}
+    if volume.config_map is not None:
+        return {"configMap": {"name": volume.config_map}}
+    if volume.secret is not None:
+        return {"secret": {"secretName": volume.secret}}
+    return {"emptyDir": {}}
+
+
 def container_security(runtime: InferenceRuntime) -> dict[str, Any]:
     """Pod Security `restricted` for the serving container, minus what the runtime relaxes."""
     sec = runtime.spec.security
@@ -197,6 +225,9 @@ def pod_template(
             mount["subPath"] = source.sub_path
         mounts.append(mount)
         volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": source.location, "readOnly": True}})
+    for extra in spec.volumes:
+        mounts.append({"name": extra.name, "mountPath": extra.mount_path, **({"readOnly": True} if extra.read_only else {})})
+        volumes.append({"name": extra.name, **runtime_volume_source(extra)})
     # Always memory-backed: the container runtime's 64Mi /dev/shm breaks PyTorch/NCCL tensor
     # parallelism and data loaders. Pages count toward the memory limit only as they are written.
     mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
@@ -216,9 +247,9 @@ def pod_template(
     if resources:
         container["resources"] = resources
     container["volumeMounts"] = mounts
-    container["startupProbe"] = _probe(spec.probes.startup or DEFAULT_STARTUP)
-    container["readinessProbe"] = _probe(spec.probes.readiness or DEFAULT_READINESS)
-    container["livenessProbe"] = _probe(spec.probes.liveness or DEFAULT_LIVENESS)
+    container["startupProbe"] = _probe(spec.probes.startup or DEFAULT_STARTUP, spec.port)
+    container["readinessProbe"] = _probe(spec.probes.readiness or DEFAULT_READINESS, spec.port)
+    container["livenessProbe"] = _probe(spec.probes.liveness or DEFAULT_LIVENESS, spec.port)
     pre_stop = drain.pre_stop(runtime)
     if pre_stop is not None:
         container["lifecycle"] = {"preStop": pre_stop}
@@ -233,6 +264,9 @@ def pod_template(
         "containers": [container],
         "volumes": volumes,
     }
+    pull = pull_secret_names(spec.image_pull_secrets, service.spec.image_pull_secrets)
+    if pull:
+        pod_spec["imagePullSecrets"] = pull
     fs_group = spec.security.fs_group if spec.security.fs_group is not None else spec.security.run_as_user
     if fs_group is not None:
         # Volumes (the cache claim above all) become writable to the non-root engine.

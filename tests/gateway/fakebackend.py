@@ -26,6 +26,9 @@ def free_port() -> int:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # A woken backend gets every held request at once: socketserver's default backlog of 5 would
+    # drop SYNs and turn a burst into connect timeouts.
+    request_queue_size = 128
     backend: FakeBackend
 
 

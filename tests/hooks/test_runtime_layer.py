@@ -7,6 +7,7 @@ import pytest
 from hooks.api.llmservice import LLMService, RuntimeRef
 from hooks.api.runtime import Accelerator, InferenceRuntime
 from hooks.api.status import Reason
+from hooks.controller import sync
 from hooks.runtime import pod, vendors
 from hooks.runtime.select import select_runtime
 from tests.hooks import helpers as h
@@ -96,6 +97,52 @@ def test_probes_drain_and_grace() -> None:
     assert sleeping["lifecycle"]["preStop"] == {"sleep": {"seconds": 45}}
     custom = _pod({}, probes={"readiness": {"path": "/v1/models", "periodSeconds": 2}})["spec"]["containers"][0]
     assert custom["readinessProbe"]["httpGet"] == {"path": "/v1/models", "port": "http"}
+
+
+def test_every_probe_kind_kubernetes_has() -> None:
+    spec = _pod({}, port=8000, probes={
+        "startup": {"type": "TCP", "periodSeconds": 5, "failureThreshold": 100},
+        "readiness": {"type": "HTTP", "path": "/ready", "scheme": "HTTPS", "port": 8443},
+        "liveness": {"type": "Exec", "command": ["/bin/check", "--quick"]},
+    })["spec"]
+    c = spec["containers"][0]
+    assert c["startupProbe"]["tcpSocket"] == {"port": "http"} and c["startupProbe"]["failureThreshold"] == 100
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": 8443, "scheme": "HTTPS"}
+    assert c["livenessProbe"]["exec"] == {"command": ["/bin/check", "--quick"]}
+    grpc = _pod({}, port=9000, probes={"liveness": {"type": "GRPC", "service": "engine"}})["spec"]["containers"][0]
+    assert grpc["livenessProbe"]["grpc"] == {"port": 9000, "service": "engine"}  # gRPC probes take numbers only
+    # The gateway polls the readiness path when it is HTTP, else an endpoint every engine serves.
+    tcp = InferenceRuntime.model_validate(h.runtime(probes={"readiness": {"type": "TCP"}}))
+    assert pod.readiness_path(tcp) == "/v1/models"
+    assert pod.readiness_path(InferenceRuntime.model_validate(h.runtime(probes={"readiness": {"path": "/ok"}}))) == "/ok"
+
+
+def test_runtime_volumes_are_mounted_as_declared() -> None:
+    spec = _pod({}, volumes=[
+        {"name": "ascend-driver", "mountPath": "/usr/local/Ascend/driver", "hostPath": "/usr/local/Ascend/driver"},
+        {"name": "engine-config", "mountPath": "/etc/engine", "configMap": "engine-config"},
+        {"name": "scratch", "mountPath": "/scratch", "emptyDir": True, "readOnly": False},
+    ])["spec"]
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert mounts["ascend-driver"] == {"name": "ascend-driver", "mountPath": "/usr/local/Ascend/driver", "readOnly": True}
+    assert volumes["ascend-driver"]["hostPath"] == {"path": "/usr/local/Ascend/driver"}
+    assert volumes["engine-config"]["configMap"] == {"name": "engine-config"}
+    assert mounts["scratch"] == {"name": "scratch", "mountPath": "/scratch"} and volumes["scratch"]["emptyDir"] == {}
+    assert {"model-cache", "dshm"} <= set(volumes)  # Noctaya's own stay
+
+
+def test_image_pull_secrets_reach_every_rendered_pod() -> None:
+    service = h.llmservice(imagePullSecrets=[{"name": "team-registry"}, {"name": "engine-registry"}],
+                           endpoint={"replicas": 2})
+    runtime = h.runtime(imagePullSecrets=[{"name": "engine-registry"}])
+    answer = sync.sync(h.sync_request(service, runtimes=[runtime]), h.config())
+    pods = {c["metadata"]["name"]: c["spec"]["template"]["spec"] for c in answer["children"] if c["kind"] == "Deployment"}
+    assert pods["qwen-backend"]["imagePullSecrets"] == [{"name": "engine-registry"}, {"name": "team-registry"}]
+    for name in ("qwen-gateway", "qwen-aggregator"):  # Noctaya's image: the LLMService's credentials
+        assert pods[name]["imagePullSecrets"] == [{"name": "team-registry"}, {"name": "engine-registry"}]
+    plain = sync.sync(h.sync_request(h.llmservice()), h.config())
+    assert all("imagePullSecrets" not in c["spec"]["template"]["spec"] for c in plain["children"] if c["kind"] == "Deployment")
 
 
 def test_serving_container_is_restricted_except_what_the_runtime_relaxes() -> None:

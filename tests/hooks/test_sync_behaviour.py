@@ -292,6 +292,13 @@ def test_raising_the_token_epoch_rotates_the_token_and_keeps_the_previous_one() 
         assert env["NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE"].endswith("/previous-token")
 
 
+def test_scaler_tls_may_use_a_cluster_trigger_authentication() -> None:
+    for kind in ("TriggerAuthentication", "ClusterTriggerAuthentication"):
+        svc = h.llmservice(scalerTLS={"secretName": "s", "triggerAuthentication": "keda-client", "triggerAuthenticationKind": kind})
+        trigger = autoscaling.sync(h.decorator_request(svc), h.config())["attachments"][0]["spec"]["triggers"][0]
+        assert trigger["authenticationRef"] == {"name": "keda-client", "kind": kind}
+
+
 def test_single_gateway_scaler_service_selects_the_gateway_multi_selects_the_aggregator() -> None:
     single = {c["metadata"]["name"]: c for c in sync.sync(h.sync_request(h.llmservice()), h.config())["children"] if c["kind"] == "Service"}
     assert single["qwen-scaler"]["spec"]["selector"]["serving.noctaya.io/component"] == "gateway"
