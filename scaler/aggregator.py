@@ -317,8 +317,13 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         # socket -> when its current request must have fully arrived (None while it is answered)
         self._deadlines: dict[socket.socket, float | None] = {}
         self._guard = threading.Lock()
+        self._closed = threading.Event()
         super().__init__(address, handler)
         threading.Thread(target=self._reap_slow_clients, name="aggregator-deadlines", daemon=True).start()
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
 
     def _refuse(self, request: socket.socket) -> None:
         try:
@@ -386,8 +391,7 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     def _reap_slow_clients(self) -> None:
         # A client dribbling bytes keeps every per-read timeout alive; a deadline on the whole
         # request does not, so slow clients cannot hold the slots real reports need.
-        while True:
-            time.sleep(0.25)
+        while not self._closed.wait(0.25):
             now = time.monotonic()
             with self._guard:
                 late = [sock for sock, due in self._deadlines.items() if due is not None and now > due]
