@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, cache_dir
+from tests.pki import make_ca, make_leaf
 from tests.third_party import SHARED_THIRD_PARTY, ThirdPartyUnavailable, go_build_cached
 
 HOOK_HOST = "noctaya-hooks.noctaya-system.svc"
@@ -98,6 +100,27 @@ class Timeline:
 
     def text(self) -> str:
         return "\n".join(self.lines)
+
+    def wait(self, what: str, check: Callable[[], bool], snapshot: Callable[[], str], timeout: float,
+             logs: Callable[[], list[tuple[str, str]]]) -> float:
+        """Poll ``check`` until true, noting every change of ``snapshot()`` on the way; seconds waited.
+        On timeout the test fails with the timeline and the tails of ``logs()`` (name, text)."""
+        t0 = time.monotonic()
+        last = ""
+        while True:
+            ok = check()
+            now = snapshot()
+            if now != last:
+                self.note(now)
+                last = now
+            if ok:
+                self.note(f"OK: {what} after {time.monotonic() - t0:.2f}s")
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                for name, tail in logs():
+                    self.note(f"{name} log tail:\n{tail}")
+                pytest.fail(f"{what}: not within {timeout}s\n{self.text()}")
+            time.sleep(0.2)
 
 
 class Cluster:
@@ -340,10 +363,8 @@ def _ready(obj: dict[str, Any] | None) -> bool:
 
 def _self_signed(directory: Path, host: str) -> None:
     """tls.crt/tls.key/ca.crt for a server that insists on a certificate (KEDA's metrics gRPC service)."""
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={host}",
-                    "-addext", f"subjectAltName=DNS:{host}", "-keyout", "tls.key", "-out", "tls.crt"],
-                   cwd=directory, check=True, capture_output=True, timeout=60)
-    shutil.copy(directory / "tls.crt", directory / "ca.crt")
+    make_ca(directory, "ca")
+    make_leaf(directory, "tls", "ca", sans=f"DNS:{host}")
 
 
 def private_listeners() -> list[str]:

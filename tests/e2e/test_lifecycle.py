@@ -67,21 +67,8 @@ def snapshot(cluster: Cluster) -> str:
 
 def wait_for(cluster: Cluster, timeline: Timeline, what: str, check: Callable[[], bool], timeout: float = 60.0) -> float:
     """Poll ``check`` until true; note every change of the world on the way; seconds waited."""
-    t0 = time.monotonic()
-    last = ""
-    while True:
-        ok = check()
-        now = snapshot(cluster)
-        if now != last:
-            timeline.note(now)
-            last = now
-        if ok:
-            timeline.note(f"OK: {what} after {time.monotonic() - t0:.2f}s")
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout:
-            timeline.note(f"metacontroller log tail:\n{cluster.log_tail('metacontroller', 15)}")
-            pytest.fail(f"{what}: not within {timeout}s\n{timeline.text()}")
-        time.sleep(0.2)
+    return timeline.wait(what, check, lambda: snapshot(cluster), timeout,
+                         lambda: [("metacontroller", cluster.log_tail("metacontroller", 15))])
 
 
 def test_runtime_is_accepted_by_the_real_controller(cluster: Cluster, timeline: Timeline) -> None:

@@ -105,22 +105,11 @@ class Model:
                 f"pods={self.server.pod_states()}")
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 60.0) -> float:
-        t0 = time.monotonic()
-        last = ""
-        while True:
-            ok = check()
-            now = self.snapshot()
-            if now != last:
-                self.timeline.note(now)
-                last = now
-            if ok:
-                self.timeline.note(f"OK: {what} after {time.monotonic() - t0:.2f}s")
-                return time.monotonic() - t0
-            if time.monotonic() - t0 > timeout:
-                for log in ("keda-operator", "metacontroller", *(self.gateways._names if self.gateways else [])):
-                    self.timeline.note(f"{log} log tail:\n{self.cluster.log_tail(log, 12)}")
-                pytest.fail(f"{what}: not within {timeout}s\n{self.timeline.text()}")
-            time.sleep(0.2)
+        def logs() -> list[tuple[str, str]]:
+            names = ["keda-operator", "metacontroller", *(self.gateways._names if self.gateways else [])]
+            return [(n, self.cluster.log_tail(n, 12)) for n in names]
+
+        return self.timeline.wait(what, check, self.snapshot, timeout, logs)
 
     def create(self, manifest: str) -> None:
         if self.cluster.get("namespace", self.namespace) is None:

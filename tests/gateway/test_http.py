@@ -307,3 +307,32 @@ def test_metrics_and_queue_are_served_on_the_admin_port_only(backend, make_gatew
         resp = requests.request(method, gw.admin_url + path, json={"model": "m", "messages": MESSAGES}, timeout=5)
         assert resp.status_code == 404, (method, path)
     assert backend.requests == []
+
+
+def test_admin_port_connection_bound_at_the_limit(backend, make_gateway) -> None:
+    # The admin port serves at most ADMIN_MAX_CONNECTIONS at once per worker, from a pool of its own:
+    # with it full, the public port still answers, and the next admin connection waits (in the
+    # backlog) until a slot frees, then is served.
+    from gateway.server import ADMIN_MAX_CONNECTIONS
+
+    backend.start()
+    gw = make_gateway(backend)
+    port = int(gw.admin_url.rsplit(":", 1)[1])
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(ADMIN_MAX_CONNECTIONS)]
+    try:
+        for sock in held:  # each one is being served: it answers a request
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        extra = socket.create_connection(("127.0.0.1", port), timeout=10)
+        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        extra.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            extra.recv(4096)  # over the bound: not served while all slots are taken
+        assert requests.get(gw.url + "/v1/models", timeout=5).status_code == 200  # the public port is not affected
+        held.pop().close()
+        extra.settimeout(10)
+        assert extra.recv(4096).startswith(b"HTTP/1.1 200")  # a slot freed: served
+        extra.close()
+    finally:
+        for sock in held:
+            sock.close()

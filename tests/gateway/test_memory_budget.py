@@ -16,7 +16,7 @@ import pytest
 from gateway.cgroup import HELD_BODY_SHARE
 from tests.gateway.conftest import wait_for
 from tests.gateway.fakebackend import FakeBackend, free_port
-from tests.gateway.test_scale import Gateway, children, rss_kib
+from tests.gateway.test_scale import Gateway, children, request_bytes, rss_kib
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,9 +28,7 @@ BUDGET = int(LIMIT * HELD_BODY_SHARE)
 
 def cold_request(size: int) -> bytes:
     pad = b"x" * (size - 60)
-    body = b'{"model":"m","messages":[{"role":"user","content":"' + pad + b'"}]}'
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return request_bytes(b'{"model":"m","messages":[{"role":"user","content":"' + pad + b'"}]}')
 
 
 def exchange(port: int, request: bytes, out: list[tuple[int, bytes]]) -> None:

@@ -18,23 +18,15 @@ import pytest
 import requests
 
 from tests.hooks import helpers as h
+from tests.pki import make_ca, make_leaf
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 def issue(pki: Path, name: str, serial: str) -> tuple[Path, Path]:
     """A serving certificate for 127.0.0.1 signed by the test CA, with a known serial."""
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=noctaya-hooks", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr", cwd=pki)
-    (pki / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:noctaya-hooks.noctaya-system.svc\n")
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-set_serial", serial,
-            "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=pki)
-    return pki / f"{name}.crt", pki / f"{name}.key"
+    return make_leaf(pki, name, "ca", sans="IP:127.0.0.1,DNS:noctaya-hooks.noctaya-system.svc", serial=serial)
 
 
 def install(cert: Path, key: Path, target: Path) -> None:
@@ -61,8 +53,7 @@ def https_server(tmp_path: Path) -> Iterator[tuple[int, Path, Path, Path]]:
         pytest.skip("openssl not found")
     pki = tmp_path / "pki"
     pki.mkdir()
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-            "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)
+    make_ca(pki, "ca")
     mounted = tmp_path / "mounted"
     mounted.mkdir()
     install(*issue(pki, "first", "0x1001"), mounted)

@@ -25,6 +25,8 @@ from typing import Any
 
 import requests
 
+from tests.pki import openssl
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTENV_DIR = REPO_ROOT / "tools" / "kube-testenv"
 BUILD_SCRIPT = TESTENV_DIR / "build.sh"
@@ -141,13 +143,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 def _generate_pki(pki: Path) -> None:
     """A throwaway CA, a serving certificate for 127.0.0.1/localhost, and a service-account key."""
-    _openssl(
+    openssl(
         "req",
         "-x509",
         "-newkey",
@@ -163,7 +161,7 @@ def _generate_pki(pki: Path) -> None:
         "ca.crt",
         cwd=pki,
     )
-    _openssl(
+    openssl(
         "req",
         "-newkey",
         "rsa:2048",
@@ -179,7 +177,7 @@ def _generate_pki(pki: Path) -> None:
     (pki / "san.ext").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n"
     )
-    _openssl(
+    openssl(
         "x509",
         "-req",
         "-in",
@@ -197,8 +195,8 @@ def _generate_pki(pki: Path) -> None:
         "apiserver.crt",
         cwd=pki,
     )
-    _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=pki)
-    _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=pki)
+    openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
 
 @dataclass

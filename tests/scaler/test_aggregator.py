@@ -400,6 +400,41 @@ def test_connection_cap_answers_503(make_aggregator) -> None:
     assert wait_until(lambda: requests.get(f"http://127.0.0.1:{agg.port}/healthz", timeout=10).status_code == 200)
 
 
+def test_per_address_connection_cap_at_the_limit(make_aggregator) -> None:
+    # Exactly max_connections_per_address idle connections from one address are served; the next is
+    # refused at once with 503, and another address is unaffected; a freed slot is reusable.
+    agg = make_aggregator(max_connections_per_address=4, request_deadline=30.0)
+
+    def connect(source: str) -> socket.socket:
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", agg.port))
+        return sock
+
+    def refused(sock: socket.socket) -> bool:
+        sock.settimeout(0.5)
+        try:
+            return sock.recv(4096).startswith(b"HTTP/1.1 503")
+        except TimeoutError:
+            return False  # held open: served (its handler waits for a request)
+
+    held = [connect("127.0.8.1") for _ in range(4)]
+    try:
+        time.sleep(0.3)  # let the server take all four
+        assert not any(refused(s) for s in held)
+        fifth = connect("127.0.8.1")
+        assert refused(fifth)
+        fifth.close()
+        assert post(agg, {"member": "other", "seq": 1}, source="127.0.8.2").status_code == 200
+        held.pop().close()
+        assert wait_until(lambda: post(agg, {"member": "same", "seq": 1}, source="127.0.8.1").status_code == 200,
+                          timeout=5)
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def test_clamp_stale_withdraw_and_ttl_over_http(make_aggregator) -> None:
     clock = FakeClock()
     agg = make_aggregator(max_member_demand=100, member_ttl=10.0, clock=clock)
