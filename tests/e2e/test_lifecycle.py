@@ -127,13 +127,11 @@ def test_replicas_set_by_keda_survive_every_sync(cluster: Cluster, timeline: Tim
     cluster.kubectl("-n", NS, "scale", "deployment", f"{NAME}-backend", f"--replicas={count}")
     timeline.note(f"scaled backend to {count} (as KEDA would)")
     before = cluster.hook_calls().get("llmservice_sync", 0)
+    # One touch at a time: touches in quick succession coalesce into one sync in Metacontroller's queue.
     for i in range(3):
         _touch(cluster, f"{count}-{i}")
-
-    def synced_again() -> bool:
-        return cluster.hook_calls().get("llmservice_sync", 0) >= before + 3
-
-    wait_for(cluster, timeline, "three more syncs", synced_again)
+        wait_for(cluster, timeline, f"sync {i + 1} of 3",
+                 lambda i=i: cluster.hook_calls().get("llmservice_sync", 0) >= before + i + 1)
     time.sleep(1.0)  # let Metacontroller apply the last answer
     backend = cluster.get("deployment", f"{NAME}-backend", NS)
     timeline.note(snapshot(cluster))
