@@ -46,6 +46,7 @@ class GatewayConfig:
     aggregator_url: str | None = None
     aggregator_token_file: str | None = None
     aggregator_previous_token_file: str | None = None
+    aggregator_ca_file: str | None = None
     scaler_tls_cert_file: str | None = None
     scaler_tls_key_file: str | None = None
     scaler_tls_ca_file: str | None = None
@@ -182,6 +183,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "aggregator_url": _text,
     "aggregator_token_file": _text,
     "aggregator_previous_token_file": _text,
+    "aggregator_ca_file": _text,
     "scaler_tls_cert_file": _text,
     "scaler_tls_key_file": _text,
     "scaler_tls_ca_file": _text,
@@ -204,6 +206,7 @@ _HELP = {
     "admin_port": "port of /metrics and /noctaya/queue (and /healthz); the public port serves only /v1 and /healthz",
     "auth_key_file": "client API key file (mounted Secret key), reread per request; unset = no auth",
     "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
+    "aggregator_ca_file": "CA that verifies the aggregator's certificate (its URL must then be https://)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
 }
 
@@ -265,6 +268,8 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         raise ConfigError(
             "NOCTAYA_SCALER_MODE=report needs NOCTAYA_AGGREGATOR_URL and NOCTAYA_AGGREGATOR_TOKEN_FILE"
         )
+    if config.aggregator_ca_file and not (config.aggregator_url or "").lower().startswith("https://"):
+        raise ConfigError("NOCTAYA_AGGREGATOR_CA_FILE is set but NOCTAYA_AGGREGATOR_URL is not https://")
     if config.max_held_body_bytes < config.max_body_bytes:
         raise ConfigError("NOCTAYA_MAX_HELD_BODY_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
     tls = (config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)

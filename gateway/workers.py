@@ -239,7 +239,8 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list
 
         assert config.aggregator_url and config.aggregator_token_file
         reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, broadcaster,
-                                  previous_token_file=config.aggregator_previous_token_file).start()
+                                  previous_token_file=config.aggregator_previous_token_file,
+                                  ca_file=config.aggregator_ca_file).start()
         return [lambda: reporter.stop(withdraw=True)]
     return []
 

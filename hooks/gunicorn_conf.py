@@ -24,6 +24,8 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from scaler.secretfiles import file_stamp
+
 # Not imported from hooks.metrics: prometheus-client picks its value store when first imported, so
 # `serve` must set this variable before anything imports prometheus_client.
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -63,15 +65,10 @@ class ReloadingTLSContext:
         self._context: ssl.SSLContext | None = None
         self._stamp: tuple[tuple[int, int, int], ...] | None = None
 
-    @staticmethod
-    def _stamp_of(*paths: str) -> tuple[tuple[int, int, int], ...]:
-        stats = [os.stat(p) for p in paths]  # follows the kubelet's ..data symlink swap
-        return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in stats)
-
     def __call__(self, conf: Any, default_ssl_context_factory: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
         with self._lock:
             try:
-                stamp = self._stamp_of(conf.certfile, conf.keyfile)
+                stamp = file_stamp(conf.certfile, conf.keyfile)
                 if self._context is None or stamp != self._stamp:
                     context = default_ssl_context_factory()
                     context.minimum_version = ssl.TLSVersion.TLSv1_2

@@ -56,7 +56,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     sub = parser.add_subparsers(dest="command", required=True)
 
     agg = sub.add_parser("aggregate", help="run the aggregate scaler (HTTP 9091 reports, gRPC 9090)",
-                         description="Every flag defaults to its NOCTAYA_* environment variable.")
+                         description="Every flag defaults to its NOCTAYA_* environment variable. With the "
+                         "scaler TLS files the reports are served over TLS with the same certificate.")
     _add_scaler_flags(agg, env)
     agg.add_argument("--report-port", type=int, default=_env_int(env, "NOCTAYA_REPORT_PORT", 9091))
     agg.add_argument("--aggregator-token-file", default=env.get("NOCTAYA_AGGREGATOR_TOKEN_FILE", ""))
@@ -75,6 +76,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                           "e.g. behind SNAT)")
     agg.add_argument("--max-connections-per-address", type=int,
                      default=_env_int(env, "NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", 4))
+    agg.add_argument("--report-server-name", default=env.get("NOCTAYA_REPORT_SERVER_NAME", ""),
+                     help="with TLS: the name gateways dial; the certificate is checked at startup to carry "
+                          "it and to verify against the CA file, as a gateway will")
     agg.add_argument("--report-deadline-seconds", type=float,
                      default=_env_float(env, "NOCTAYA_REPORT_DEADLINE_SECONDS", 2.0),
                      help="time a report request may take to arrive whole (slow clients are cut off)")
@@ -139,6 +143,17 @@ def _aggregate(args: argparse.Namespace) -> int:
         print(f"scaler: {exc}", file=sys.stderr)
         return 2
 
+    if tls is not None:
+        from scaler.secretfiles import write_termination_message
+        from scaler.tls import TLSConfigError, check_served_certificate
+
+        try:
+            check_served_certificate(tls, args.report_server_name or None)  # type: ignore[arg-type]
+        except TLSConfigError as exc:
+            print(f"scaler: gateways could not report here: {exc}", file=sys.stderr)
+            write_termination_message(f"gateways could not report here: {exc}")
+            return 1
+
     broadcaster = DemandBroadcaster()
     aggregator = Aggregator(settings, broadcaster)
     scaler = _start_grpc(args, broadcaster, scaler_settings, tls)
@@ -146,12 +161,15 @@ def _aggregate(args: argparse.Namespace) -> int:
         return 1
     aggregator.registry.register(scaler.collector())
     try:
-        aggregator.start(args.host, args.report_port)
-    except OSError as exc:
-        print(f"scaler: cannot listen for reports on {args.host}:{args.report_port}: {exc.strerror}", file=sys.stderr)
+        # With scaler TLS the reports are TLS too, served with the same certificate.
+        aggregator.start(args.host, args.report_port, tls=tls)  # type: ignore[arg-type]
+    except (OSError, ValueError) as exc:  # port in use, unloadable TLS material
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"scaler: cannot listen for reports on {args.host}:{args.report_port}: {reason}", file=sys.stderr)
         scaler.stop(0)
         return 1
-    print(f"aggregate scaler: reports on {args.host}:{aggregator.port}, gRPC on {args.host}:{scaler.port}",
+    scheme = "HTTPS" if tls is not None else "HTTP"
+    print(f"aggregate scaler: {scheme} reports on {args.host}:{aggregator.port}, gRPC on {args.host}:{scaler.port}",
           file=sys.stderr, flush=True)
 
     stop = threading.Event()

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.secretfiles import read_secret_file
+from scaler.tls import ReloadingServerContext, TLSFiles
 
 __all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "read_token_file"]
 
@@ -275,8 +277,10 @@ class Aggregator:
         assert self._httpd is not None, "not started"
         return self._httpd.server_address[1]
 
-    def start(self, host: str = "0.0.0.0", port: int = 9091) -> None:
-        self._httpd = _BoundedHTTPServer((host, port), _ReportHandler, self)
+    def start(self, host: str = "0.0.0.0", port: int = 9091, tls: TLSFiles | None = None) -> None:
+        """Serve reports on host:port, over TLS with ``tls``'s certificate and key when given."""
+        context = ReloadingServerContext(tls) if tls is not None else None
+        self._httpd = _BoundedHTTPServer((host, port), _ReportHandler, self, context)
         serve = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                  name="aggregator-http", daemon=True)
         expiry = threading.Thread(target=self._expiry_loop, name="aggregator-expiry", daemon=True)
@@ -310,8 +314,10 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], aggregator: Aggregator):
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], aggregator: Aggregator,
+                 tls: ReloadingServerContext | None = None):
         self.aggregator = aggregator
+        self.tls = tls
         self._connections = threading.BoundedSemaphore(aggregator.settings.max_connections)
         self._per_address: dict[str, int] = {}
         # socket -> when its current request must have fully arrived (None while it is answered)
@@ -326,10 +332,11 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         super().server_close()
 
     def _refuse(self, request: socket.socket) -> None:
-        try:
-            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        except OSError:
-            pass
+        if self.tls is None:  # a TLS client would read plaintext as a broken handshake: just close
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
         self.shutdown_request(request)
 
     def process_request(self, request: socket.socket, client_address: Any) -> None:
@@ -374,9 +381,12 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
                 self._per_address.pop(peer, None)
 
     def _forget(self, request: socket.socket, peer: str) -> None:
+        self.forget_deadline(request)
+        self._forget_address(peer)
+
+    def forget_deadline(self, request: socket.socket) -> None:
         with self._guard:
             self._deadlines.pop(request, None)
-        self._forget_address(peer)
 
     def expect_request(self, request: socket.socket) -> None:
         """The next request on ``request`` must arrive whole within the deadline."""
@@ -399,7 +409,9 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
                     self._deadlines[sock] = None
             for sock in late:
                 try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                    # The plain socket's shutdown, also for a TLS socket: it wakes the reading thread
+                    # without touching the TLS state that thread owns.
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
                 except OSError:
                     pass
 
@@ -412,7 +424,32 @@ class _ReportHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         self.timeout = self.server.aggregator.settings.socket_timeout
+        if self.server.tls is not None:
+            self.request = self._tls_handshake(self.request)
         super().setup()
+
+    def _tls_handshake(self, raw: socket.socket) -> ssl.SSLSocket:
+        """The handshake runs here, in this connection's thread and under the request deadline,
+        never in the accepting thread: a client that stalls mid-handshake holds only its own slot."""
+        raw.settimeout(self.timeout)
+        wrapped = self.server.tls.current().wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        self.server.expect_request(wrapped)
+        try:
+            wrapped.do_handshake()
+        except (OSError, ValueError):
+            self.server.forget_deadline(wrapped)
+            wrapped.close()
+            raise
+        return wrapped
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            if self.server.tls is not None:
+                # The server closes the plain socket it accepted, which the TLS socket took over.
+                self.server.forget_deadline(self.request)
+                self.request.close()
 
     def handle_one_request(self) -> None:
         self.server.expect_request(self.connection)  # each request, keep-alive ones too, has a deadline

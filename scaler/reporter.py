@@ -5,6 +5,9 @@ the DemandBroadcaster and POSTs on every change and every ``interval`` seconds, 
 time with a short timeout. It never holds a queue: a burst of transitions collapses into the
 latest state. ``publish()`` in the gateway therefore never waits for the network.
 
+Over ``https://`` the aggregator's certificate is verified against ``ca_file`` (the scaler TLS
+Secret's ``ca.crt``); the bearer token then never crosses the network in the clear.
+
 Sends are rate-limited to one per ``min_gap`` seconds, except when the active flag flips: the
 first cold request must reach KEDA at once, a change of count can wait 50 ms.
 """
@@ -52,7 +55,12 @@ class DemandReporter:
         min_gap: float = 0.05,
         retry_delay: float = 0.25,
         previous_token_file: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
+        if ca_file and not url.lower().startswith("https://"):
+            # A CA with a plaintext URL means the operator expected TLS: refuse rather than send the
+            # token in the clear.
+            raise ValueError("a CA file was given for the aggregator but its URL is not https://")
         if interval <= 0 or timeout <= 0 or min_gap < 0 or retry_delay <= 0:
             raise ValueError("interval, timeout and retry_delay must be > 0, min_gap >= 0")
         self.url = url
@@ -74,6 +82,10 @@ class DemandReporter:
         self._session = requests.Session()
         # In-cluster only: never send the report (and its token) through a pod's HTTP(S)_PROXY.
         self._session.trust_env = False
+        if ca_file:
+            # Read at each new connection (urllib3 builds a context per connection), so a renewed CA
+            # in the mounted Secret is used from the next reconnect on.
+            self._session.verify = ca_file
         self._post_lock = threading.Lock()  # the session and seq belong to one sender at a time
         self._last_error_log = -1e18
         self.sent = 0

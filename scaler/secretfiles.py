@@ -27,8 +27,10 @@ EXIT_SECRET_MISSING = 3
 # (env naming the Secret, env naming the files it must provide)
 SECRET_FILES = (
     ("NOCTAYA_AUTH_SECRET", ("NOCTAYA_AUTH_KEY_FILE",)),
+    # The aggregate scaler and a single gateway serve with the certificate; gateways that report to
+    # an aggregator verify it with the CA alone.
     ("NOCTAYA_SCALER_TLS_SECRET", ("NOCTAYA_SCALER_TLS_CERT_FILE", "NOCTAYA_SCALER_TLS_KEY_FILE",
-                                   "NOCTAYA_SCALER_TLS_CA_FILE")),
+                                   "NOCTAYA_SCALER_TLS_CA_FILE", "NOCTAYA_AGGREGATOR_CA_FILE")),
 )
 
 
@@ -44,6 +46,14 @@ def read_secret_file(path: str | os.PathLike[str]) -> bytes | None:
     if not value or len(data) > MAX_SECRET_FILE_BYTES:
         return None
     return value
+
+
+def file_stamp(*paths: str | os.PathLike[str]) -> tuple[tuple[int, int, int], ...]:
+    """Cheap change detector for mounted files: (inode, size, mtime_ns) of each. A Secret volume
+    update swaps the kubelet's ``..data`` symlink, which changes the inode even when size and mtime
+    happen to match. Raises OSError when a file is missing."""
+    stats = [os.stat(p) for p in paths]
+    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in stats)
 
 
 def missing_secret_message(environ: Mapping[str, str]) -> str | None:
@@ -65,9 +75,16 @@ def exit_if_a_secret_is_missing(program: str, environ: Mapping[str, str] | None 
     if message is None:
         return
     print(f"{program}: {message}", file=sys.stderr, flush=True)
+    write_termination_message(message, environ)
+    raise SystemExit(EXIT_SECRET_MISSING)
+
+
+def write_termination_message(message: str, environ: Mapping[str, str] | None = None) -> None:
+    """Leave ``message`` where the kubelet copies it into the container's status (and
+    ``kubectl describe pod`` shows it). Never a secret's value: names and reasons only."""
+    environ = os.environ if environ is None else environ
     try:
         with open(environ.get(TERMINATION_LOG_ENV, DEFAULT_TERMINATION_LOG), "w") as log:
             log.write(message)
     except OSError:
         pass  # not in a Pod: stderr says it
-    raise SystemExit(EXIT_SECRET_MISSING)

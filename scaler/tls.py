@@ -1,21 +1,27 @@
-"""Mutual TLS for the gRPC ExternalScaler: server certificate + key, client CA, client auth required.
+"""TLS of the scaler: mutual TLS for the gRPC ExternalScaler, server TLS for the report channel.
 
 KEDA presents its client certificate from a TriggerAuthentication (``tlsClientCert`` /
 ``tlsClientKey``, verified against ``caCert``); the scaler only needs its own Secret mounted as
-files. The files are re-read when they change (checked at each new TLS handshake), so a renewed
-Secret (cert-manager) takes effect without a restart.
+files. The aggregate scaler serves gateways' demand reports with the same certificate (the gateways
+verify it against the Secret's ``ca.crt`` and authenticate with their bearer token). The files are
+re-read when they change (checked at each new TLS handshake), so a renewed Secret (cert-manager)
+takes effect without a restart.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import ssl
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
-__all__ = ["TLSFiles", "TLSConfigError", "server_credentials", "tls_files_from_env"]
+from scaler.secretfiles import file_stamp
+
+__all__ = ["TLSFiles", "TLSConfigError", "ReloadingServerContext", "check_served_certificate", "server_credentials",
+           "tls_files_from_env"]
 
 log = logging.getLogger("noctaya.scaler.tls")
 
@@ -40,13 +46,7 @@ class TLSFiles:
         return _read_pem(self.cert_file), _read_pem(self.key_file), _read_pem(self.ca_file)
 
     def fingerprint(self) -> tuple[tuple[int, int, int], ...]:
-        """Cheap change detector: (inode, size, mtime_ns) of each file. Secret volume updates swap
-        a symlink, which changes the inode even when size and mtime happen to match."""
-        stats = []
-        for path in (self.cert_file, self.key_file, self.ca_file):
-            st = os.stat(path)
-            stats.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(stats)
+        return file_stamp(self.cert_file, self.key_file, self.ca_file)
 
 
 def _read_pem(path: str) -> bytes:
@@ -107,3 +107,86 @@ def server_credentials(files: TLSFiles, *, reload: bool = True) -> grpc.ServerCr
         return config
 
     return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=True)
+
+
+class ReloadingServerContext:
+    """An ``ssl.SSLContext`` for a plain TLS server (the report channel), rebuilt when the
+    certificate or key file changes; ``current()`` is asked at each new connection. Material that
+    cannot be loaded (a half-written rotation) keeps the last good context and is logged once."""
+
+    def __init__(self, files: TLSFiles) -> None:
+        self._files = files
+        self._lock = threading.Lock()
+        self._stamp = file_stamp(files.cert_file, files.key_file)
+        self._context = self._build()  # fail fast at startup on bad material
+        self._refused: tuple[object, ...] | None = None  # material that failed to load, not retried
+
+    def _build(self) -> ssl.SSLContext:
+        for path in (self._files.cert_file, self._files.key_file):
+            _read_pem(path)  # its errors name the file, the ssl module's do not
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            context.load_cert_chain(self._files.cert_file, self._files.key_file)
+        except ssl.SSLError:
+            raise TLSConfigError(f"{self._files.cert_file} and {self._files.key_file} do not load as a "
+                                 "certificate and its key") from None
+        return context
+
+    def current(self) -> ssl.SSLContext:
+        with self._lock:
+            try:
+                stamp = file_stamp(self._files.cert_file, self._files.key_file)
+            except OSError as exc:
+                self._warn_once(("missing",), f"cannot stat TLS files: {exc.strerror}")
+                return self._context
+            if stamp == self._stamp or stamp == self._refused:
+                return self._context
+            try:
+                self._context, self._stamp, self._refused = self._build(), stamp, None
+                log.info("report channel TLS material reloaded")
+            except TLSConfigError as exc:
+                self._warn_once(stamp, str(exc))
+            return self._context
+
+    def _warn_once(self, stamp: tuple[object, ...], reason: str) -> None:
+        if stamp != self._refused:
+            self._refused = stamp  # type: ignore[assignment]
+            log.warning("TLS material changed but cannot be loaded, keeping the previous one: %s", reason)
+
+
+def check_served_certificate(files: TLSFiles, server_name: str | None = None) -> None:
+    """Do what a reporting gateway will do, in memory: verify the certificate against the CA file
+    (and that it names ``server_name``). Raises TLSConfigError saying what is wrong, so a Secret
+    whose ``ca.crt`` did not sign its ``tls.crt`` stops the aggregate scaler at startup with that
+    sentence instead of every gateway's reports failing quietly."""
+    server_ctx = ReloadingServerContext(files).current()
+    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client_ctx.check_hostname = server_name is not None
+    try:
+        client_ctx.load_verify_locations(cadata=_read_pem(files.ca_file).decode("ascii", "replace"))
+    except ssl.SSLError:
+        raise TLSConfigError(f"{files.ca_file} holds no usable CA certificate") from None
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = client_ctx.wrap_bio(to_client, to_server, server_hostname=server_name or "aggregator")
+    server = server_ctx.wrap_bio(to_server, to_client, server_side=True)
+    # wrap_bio(incoming, outgoing): each side reads what the other wrote.
+    done = {"client": False, "server": False}
+    try:
+        for _ in range(8):  # a TLS 1.2/1.3 handshake needs at most a few flights
+            for side, obj in (("client", client), ("server", server)):
+                if not done[side]:
+                    try:
+                        obj.do_handshake()
+                        done[side] = True
+                    except ssl.SSLWantReadError:
+                        pass
+            if all(done.values()):
+                return
+    except ssl.SSLCertVerificationError as exc:
+        raise TLSConfigError(f"{files.cert_file} does not verify against {files.ca_file}: {exc.verify_message}; "
+                             "gateways check the aggregator with this CA, so it must be the CA that "
+                             "signed the certificate") from None
+    except ssl.SSLError as exc:
+        raise TLSConfigError(f"a TLS handshake with {files.cert_file} fails: {exc.reason}") from None
+    raise TLSConfigError(f"a TLS handshake with {files.cert_file} did not complete")

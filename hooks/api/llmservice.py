@@ -335,7 +335,10 @@ class ScalerTLS(ApiModel):
     """Mutual TLS between KEDA and the scaler, from credentials that already exist in the namespace."""
 
     secret_name: DNSLabel = Field(
-        description="kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt (the CA that signs KEDA's client cert)."
+        description="kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt (the CA that signs KEDA's client cert). "
+        "With endpoint.replicas > 1 the gateways also verify the aggregate scaler's tls.crt with this ca.crt (their "
+        "demand reports go over HTTPS), so it must be the CA that signed tls.crt as well; the aggregate scaler "
+        "checks this at startup."
     )
     trigger_authentication: DNSLabel = Field(
         description="KEDA TriggerAuthentication (or ClusterTriggerAuthentication, see triggerAuthenticationKind) "
@@ -357,7 +360,7 @@ class LLMServiceSpec(ApiModel):
     scaling: Scaling = Field(default_factory=Scaling, description="Replica bounds, activation and cooldown timings.")
     cache: Cache = Field(default_factory=Cache, description="Model cache and prewarm.")
     endpoint: Endpoint = Field(default_factory=Endpoint, description="The gateway: admission, cold mode, auth, Service.")
-    scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler.")
+    scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler, and TLS for gateway → aggregate scaler reports.")
     image_pull_secrets: list[LocalObjectReference] = Field(
         default_factory=list,
         max_length=16,

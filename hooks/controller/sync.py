@@ -170,7 +170,6 @@ def plan_children(
     out.children.append(scaler.service(ctx))
     if ctx.multi_gateway:
         out.children.append(scaler.aggregator_deployment(ctx))
-        out.children.append(scaler.aggregator_service(ctx))
         out.children.append(disruption.gateway_pdb(ctx))
         token_name = names.scaler_token(name)
         out.children.append(secrets.token_secret(ctx, observed.child(obs.SECRET, token_name)))

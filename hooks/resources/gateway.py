@@ -98,12 +98,18 @@ def tls_env(ctx: RenderContext) -> list[dict[str, str]]:
     ]
 
 
-def tls_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
+def tls_volume(ctx: RenderContext, *, ca_only: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The scaler TLS Secret; ``ca_only`` for gateways that only verify the aggregator (the
+    serving key then never reaches them)."""
     tls = ctx.service.spec.scaler_tls
     assert tls is not None
+    secret: dict[str, Any] = {"secretName": tls.secret_name}
+    if ca_only:
+        secret["items"] = [{"key": "ca.crt", "path": "ca.crt"}]
+    # optional: the Pod starts without the Secret and says which one is missing (scaler.secretfiles).
+    secret.update({"defaultMode": 0o440, "optional": True})
     return (
-        # optional: the Pod starts without the Secret and says which one is missing (scaler.secretfiles).
-        {"name": "scaler-tls", "secret": {"secretName": tls.secret_name, "defaultMode": 0o440, "optional": True}},
+        {"name": "scaler-tls", "secret": secret},
         {"name": "scaler-tls", "mountPath": TLS_DIR, "readOnly": True},
     )
 
@@ -120,6 +126,13 @@ def token_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
         },
         {"name": "scaler-token", "mountPath": TOKEN_DIR, "readOnly": True},
     )
+
+
+def report_url(ctx: RenderContext) -> str:
+    """Where gateways send their demand: the scaler Service (it selects the aggregator and carries
+    its report port), so with scaler TLS the name the scaler certificate carries is verified."""
+    scheme = "https" if ctx.service.spec.scaler_tls is not None else "http"
+    return f"{scheme}://{ctx.host(names.scaler(ctx.name))}:{REPORT_PORT}/v1/report"
 
 
 def env(ctx: RenderContext) -> list[dict[str, str]]:
@@ -147,9 +160,12 @@ def env(ctx: RenderContext) -> list[dict[str, str]]:
     out.append(_env("NOCTAYA_METRIC_NAME", METRIC_NAME))
     if ctx.multi_gateway:
         out.append(_env("NOCTAYA_SCALER_MODE", "report"))
-        out.append(_env("NOCTAYA_AGGREGATOR_URL", f"http://{ctx.host(names.aggregator(ctx.name))}:{REPORT_PORT}/v1/report"))
+        out.append(_env("NOCTAYA_AGGREGATOR_URL", report_url(ctx)))
         out.append(_env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{TOKEN_DIR}/{TOKEN_KEY}"))
         out.append(_env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{TOKEN_DIR}/{PREVIOUS_TOKEN_KEY}"))
+        if spec.scaler_tls is not None:
+            out.append(_env("NOCTAYA_SCALER_TLS_SECRET", spec.scaler_tls.secret_name))
+            out.append(_env("NOCTAYA_AGGREGATOR_CA_FILE", f"{TLS_DIR}/ca.crt"))
     else:
         out.append(_env("NOCTAYA_SCALER_MODE", "local"))
         out.append(_env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT))
@@ -174,9 +190,9 @@ def _anti_affinity(ctx: RenderContext) -> dict[str, Any]:
     }
 
 
-def http_probe(path: str, port: str, period: int, failures: int) -> dict[str, Any]:
+def http_probe(path: str, port: str, period: int, failures: int, *, https: bool = False) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": port},
+        "httpGet": {"path": path, "port": port, **({"scheme": "HTTPS"} if https else {})},
         "periodSeconds": period,
         "timeoutSeconds": 2,
         "failureThreshold": failures,
@@ -210,6 +226,10 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
         vol, mount = token_volume(ctx)
         volumes.append(vol)
         mounts.append(mount)
+        if ctx.service.spec.scaler_tls is not None:
+            vol, mount = tls_volume(ctx, ca_only=True)
+            volumes.append(vol)
+            mounts.append(mount)
     else:
         ports.append({"name": "grpc", "containerPort": SCALER_GRPC_PORT, "protocol": "TCP"})
         if ctx.service.spec.scaler_tls is not None:

@@ -2,7 +2,9 @@
 
 With one gateway the ExternalScaler runs inside it, so the scaler Service selects the gateway Pod.
 With several, each gateway reports its demand to one aggregator, and the scaler Service selects
-the aggregator. Either way the gRPC port is only on this internal Service, never the public one.
+the aggregator and carries its report port too: KEDA and the gateways dial the one name the scaler
+certificate already carries, so with scaler TLS the reports are verified against it. Either way the
+gRPC port is only on this internal Service, never the public one.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ def _grpc_port() -> dict[str, Any]:
 
 
 def service(ctx: RenderContext) -> dict[str, Any]:
-    target = labels.AGGREGATOR if ctx.multi_gateway else labels.GATEWAY
-    return ctx.service_object(names.scaler(ctx.name), labels.SCALER, target, [_grpc_port()])
+    if ctx.multi_gateway:
+        ports = [_grpc_port(), tcp_port("report", REPORT_PORT)]
+        return ctx.service_object(names.scaler(ctx.name), labels.SCALER, labels.AGGREGATOR, ports)
+    return ctx.service_object(names.scaler(ctx.name), labels.SCALER, labels.GATEWAY, [_grpc_port()])
+
 
 
 def _env(name: str, value: str | int) -> dict[str, str]:
@@ -49,6 +54,8 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, mount]
     if spec.scaler_tls is not None:
         env.extend(gateway.tls_env(ctx))
+        # Checked at startup: the certificate must carry the name gateways (and KEDA) dial.
+        env.append(_env("NOCTAYA_REPORT_SERVER_NAME", ctx.host(names.scaler(ctx.name))))
         tls_vol, tls_mount = gateway.tls_volume(ctx)
         volumes.append(tls_vol)
         mounts.append(tls_mount)
@@ -64,8 +71,9 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
         ],
         "resources": AGGREGATOR_RESOURCES,
         "securityContext": gateway.restricted_container_security(),
-        "readinessProbe": gateway.http_probe("/healthz", "report", 5, 2),
-        "livenessProbe": gateway.http_probe("/healthz", "report", 10, 6),
+        # The report port speaks TLS with scaler TLS; the kubelet's HTTPS probe does not verify.
+        "readinessProbe": gateway.http_probe("/healthz", "report", 5, 2, https=spec.scaler_tls is not None),
+        "livenessProbe": gateway.http_probe("/healthz", "report", 10, 6, https=spec.scaler_tls is not None),
         "volumeMounts": mounts,
     }
     return {
@@ -84,7 +92,3 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
         },
     }
 
-
-def aggregator_service(ctx: RenderContext) -> dict[str, Any]:
-    ports = [tcp_port("report", REPORT_PORT), _grpc_port()]
-    return ctx.service_object(names.aggregator(ctx.name), labels.AGGREGATOR, labels.AGGREGATOR, ports)

@@ -76,12 +76,19 @@ def cluster() -> Iterator[Cluster]:
     # Nothing left behind: no process, no files outside the caches, the machine's hosts file as it was
     # (the bind mount lived in Metacontroller's own mount namespace and ended with it).
     alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
-    assert not alive, f"processes left running: {alive}"
+    assert not alive, f"processes left running: {[(pid, _cmdline(pid)) for pid in alive]}"
     assert not plane.workdir.exists(), f"{plane.workdir} left behind"
     assert not private_listeners(), f"ports still listening: {private_listeners()}"
     assert Path("/etc/hosts").read_bytes() == hosts_before, "/etc/hosts changed"
     with open("/proc/self/mountinfo") as fh:
         assert " /etc/hosts " not in fh.read(), "a mount over /etc/hosts is visible outside the suite"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
 
 
 def _zombie(pid: int) -> bool:

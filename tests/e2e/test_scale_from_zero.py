@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import requests
 import yaml
 
 from hooks.resources.context import ADMIN_PORT
@@ -155,6 +156,7 @@ def models(cluster: Cluster, keda: None) -> Iterator[dict[str, Model]]:
 @pytest.fixture
 def model_factory(cluster: Cluster, models: dict[str, Model], timeline: Timeline) -> Callable[[str, str], Model]:
     def make(name: str, namespace: str) -> Model:
+        assert name not in models, f"model {name} already made in this module: give each test its own name"
         models[name] = Model(cluster, timeline, name, namespace)
         return models[name]
 
@@ -279,8 +281,6 @@ def test_a_backend_that_never_becomes_ready_times_out_held_requests_and_reports_
 
 
 def _queue(model: Model) -> dict[str, Any]:
-    import requests
-
     assert model.gateways is not None
     return requests.get(f"{model.gateways.url(0, ADMIN_PORT)}/noctaya/queue", timeout=5).json()
 
@@ -323,32 +323,44 @@ def test_api_key_and_reject_mode(model_factory: Callable[[str, str], Model], clu
     print(f"\nreject mode: 503 first, answered {time.monotonic() - t0:.1f} s later")
 
 
+@pytest.mark.parametrize("gateways", [1, 2], ids=["one-gateway", "two-gateways"])
 def test_scaler_mutual_tls_with_the_examples_trigger_authentication(
-        model_factory: Callable[[str, str], Model], cluster: Cluster, timeline: Timeline) -> None:
-    ns = "e2e-mtls"
-    model = model_factory("secure", ns)
+        model_factory: Callable[[str, str], Model], cluster: Cluster, timeline: Timeline, gateways: int) -> None:
+    # One gateway serves KEDA itself; with two, KEDA dials the aggregator and the gateways report to
+    # it over HTTPS, verifying the same certificate (the scaler Service's name) with the Secret's CA.
+    ns, name = f"e2e-mtls-{gateways}", f"secure{gateways}"
+    model = model_factory(name, ns)
     cluster.kubectl("create", "namespace", ns)
     # The example's own script makes both Secrets; its TriggerAuthentication is applied as published.
     kube_env = {"PATH": f"{cluster.plane.bin_dir}:/usr/bin:/bin", "KUBECONFIG": str(cluster.plane.kubeconfig),
                 "HOME": str(cluster.workdir)}
-    subprocess.run(["bash", str(REPO_ROOT / "examples" / "security" / "make-scaler-certs.sh"), ns, "secure"],
+    subprocess.run(["bash", str(REPO_ROOT / "examples" / "security" / "make-scaler-certs.sh"), ns, name],
                    env=kube_env, check=True, capture_output=True, timeout=120)
     docs = list(yaml.safe_load_all((REPO_ROOT / "examples" / "security" / "scaler-mtls.yaml").read_text()))
     (auth,) = [d for d in docs if d["kind"] == "TriggerAuthentication"]
     cluster.kubectl("-n", ns, "apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(auth))
-    model.create(llmservice("secure", ns, scalerTLS={"secretName": "secure-scaler-tls",
-                                                     "triggerAuthentication": auth["metadata"]["name"]}))
-    model.start_pods()
+    model.create(llmservice(name, ns, endpoint={"replicas": gateways},
+                            scalerTLS={"secretName": f"{name}-scaler-tls", "triggerAuthentication": auth["metadata"]["name"]}))
+    model.start_pods(gateways=gateways, aggregator=gateways > 1)
     model.wait_keda_connected()
     # The scaler refuses a client without a certificate.
-    assert model.gateways is not None
-    address = f"{model.gateways.addresses[0]}:{SCALER_PORT}"
-    with grpc.insecure_channel(address) as channel:
+    scaler = model.aggregator if gateways > 1 else model.gateways
+    assert scaler is not None
+    with grpc.insecure_channel(f"{scaler.addresses[0]}:{SCALER_PORT}") as channel:
         with pytest.raises(grpc.RpcError):
             pb_grpc.ExternalScalerStub(channel).IsActive(pb.ScaledObjectRef(name="x", namespace=ns), timeout=3)
-    text, first = stream_answer(model.client(), "secure")
+    if gateways > 1:
+        env = {e["name"]: e["value"] for e in
+               model.get("deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["NOCTAYA_AGGREGATOR_URL"].startswith(f"https://{name}-scaler.{ns}.svc"), env
+        # The report port speaks TLS only: a plaintext report goes nowhere.
+        with pytest.raises(requests.RequestException):
+            requests.post(f"http://{scaler.addresses[0]}:9091/v1/report", json={}, timeout=3)
+    # Demand at the last gateway: with two, it reaches KEDA only through a report over TLS.
+    text, first = stream_answer(model.client(index=gateways - 1), name)
     assert text == ANSWER
-    print(f"\nscaler mTLS: cold request answered through KEDA's client certificate, first token {first:.2f} s")
+    print(f"\nscaler mTLS ({gateways} gateway(s)): cold request answered through KEDA's client certificate, "
+          f"first token {first:.2f} s")
 
 
 def test_two_gateways_aggregate_their_demand(model_factory: Callable[[str, str], Model], timeline: Timeline) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -232,6 +233,40 @@ def test_report_mode_pushes_demand_and_withdraws_on_sigterm(backend, tmp_path) -
         assert last["withdraw"] is True and auth == "Bearer member-token"
         seqs = [r["seq"] for _, r in aggregator.reports]
         assert seqs == sorted(seqs) and len({r["member"] for _, r in aggregator.reports}) == 1
+    finally:
+        gw.stop()
+        aggregator.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_report_mode_over_tls_reaches_a_real_aggregator(backend, tmp_path) -> None:
+    """The gevent-patched gateway verifies the aggregator with the CA file and reports over HTTPS."""
+    from scaler.aggregator import Aggregator, AggregatorSettings
+    from scaler.demand import DemandBroadcaster
+    from scaler.tls import TLSFiles
+    from tests.pki import make_ca, make_leaf
+
+    make_ca(tmp_path, "ca")
+    cert, key = make_leaf(tmp_path, "server", "ca")
+    token = tmp_path / "token"
+    token.write_text("member-token\n")
+    aggregator = Aggregator(AggregatorSettings(token_file=str(token)), DemandBroadcaster())
+    aggregator.start("127.0.0.1", 0, tls=TLSFiles(str(cert), str(key), str(tmp_path / "ca.crt")))
+    gw = GatewayProcess(backend, NOCTAYA_SCALER_MODE="report",
+                        NOCTAYA_AGGREGATOR_URL=f"https://localhost:{aggregator.port}/v1/report",
+                        NOCTAYA_AGGREGATOR_CA_FILE=str(tmp_path / "ca.crt"),
+                        NOCTAYA_AGGREGATOR_TOKEN_FILE=str(token), NOCTAYA_DRAIN_GRACE_SECONDS="5")
+    try:
+        wait_for(lambda: aggregator.member_count == 1, what="membership over TLS")
+        t = threading.Thread(target=lambda: requests.post(
+            gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=60), daemon=True)
+        t.start()
+        wait_for(lambda: aggregator.broadcaster.current().queued == 1, what="cold demand reported over TLS")
+        backend.start()
+        t.join(30)
+        gw.proc.send_signal(signal.SIGTERM)
+        assert gw.proc.wait(20) == 0
+        assert aggregator.member_count == 0  # withdrawn over TLS on the way out
     finally:
         gw.stop()
         aggregator.stop()

@@ -155,6 +155,8 @@ def test_flags_override_env() -> None:
     ({**BASE, "NOCTAYA_PROBE_INTERVAL_SECONDS": "1"}, "PROBE_INTERVAL"),
     ({**BASE, "NOCTAYA_SCALER_MODE": "report"}, "AGGREGATOR_URL"),
     ({**BASE, "NOCTAYA_SCALER_TLS_CERT_FILE": "/c"}, "TLS"),
+    ({**BASE, "NOCTAYA_SCALER_MODE": "report", "NOCTAYA_AGGREGATOR_URL": "http://a:9091/v1/report",
+      "NOCTAYA_AGGREGATOR_TOKEN_FILE": "/t", "NOCTAYA_AGGREGATOR_CA_FILE": "/ca"}, "AGGREGATOR_CA_FILE"),
 ])
 def test_invalid_config_names_the_variable(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

@@ -53,9 +53,27 @@ def _cold_single_gateway(a: Answer) -> None:
 
 
 def _multi_gateway(a: Answer) -> None:
-    assert kids(a) >= LLM_CHILDREN | {("Deployment", "qwen-aggregator"), ("Service", "qwen-aggregator"),
+    assert kids(a) >= LLM_CHILDREN | {("Deployment", "qwen-aggregator"),
                                       ("PodDisruptionBudget", "qwen-gateway"), ("Secret", "qwen-scaler-token")}
-    assert child(a, "Deployment", "qwen-gateway")["spec"]["replicas"] == 3
+    # One Service for the aggregator: the scaler Service, which KEDA and the gateways both dial.
+    assert ("Service", "qwen-aggregator") not in kids(a)
+    scaler = child(a, "Service", "qwen-scaler")["spec"]
+    assert scaler["selector"]["serving.noctaya.io/component"] == "aggregator"
+    assert {p["name"]: p["port"] for p in scaler["ports"]} == {"grpc": 9090, "report": 9091}
+    gateway = child(a, "Deployment", "qwen-gateway")
+    assert gateway["spec"]["replicas"] == 3
+    # Scaler TLS: reports go over HTTPS to the name the scaler certificate carries, verified with
+    # the Secret's CA alone (the serving key never reaches a gateway).
+    pod = gateway["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env["NOCTAYA_AGGREGATOR_URL"] == "https://qwen-scaler.models.svc.cluster.local:9091/v1/report"
+    assert env["NOCTAYA_AGGREGATOR_CA_FILE"] == "/var/run/noctaya/scaler-tls/ca.crt"
+    assert env["NOCTAYA_SCALER_TLS_SECRET"] == "qwen-scaler-tls"
+    assert not {"NOCTAYA_SCALER_TLS_CERT_FILE", "NOCTAYA_SCALER_TLS_KEY_FILE"} & set(env)
+    tls = next(v for v in pod["volumes"] if v["name"] == "scaler-tls")["secret"]
+    assert tls["items"] == [{"key": "ca.crt", "path": "ca.crt"}] and tls["optional"] is True
+    aggregator = child(a, "Deployment", "qwen-aggregator")["spec"]["template"]["spec"]["containers"][0]
+    assert aggregator["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert "data" not in str(a["status"])  # the token Secret's data never reaches status
 
 

@@ -304,10 +304,17 @@ def test_single_gateway_scaler_service_selects_the_gateway_multi_selects_the_agg
     assert single["qwen-scaler"]["spec"]["selector"]["serving.noctaya.io/component"] == "gateway"
     multi = {(c["kind"], c["metadata"]["name"]): c for c in sync.sync(h.sync_request(h.llmservice(endpoint={"replicas": 2})), h.config())["children"]}
     assert multi[("Service", "qwen-scaler")]["spec"]["selector"]["serving.noctaya.io/component"] == "aggregator"
-    assert {p["port"] for p in multi[("Service", "qwen-aggregator")]["spec"]["ports"]} == {9090, 9091}
+    assert {p["port"] for p in multi[("Service", "qwen-scaler")]["spec"]["ports"]} == {9090, 9091}
+    assert ("Service", "qwen-aggregator") not in multi
     assert multi[("PodDisruptionBudget", "qwen-gateway")]["spec"]["minAvailable"] == 1
-    env = {e["name"]: e["value"] for e in multi[("Deployment", "qwen-gateway")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    gateway = multi[("Deployment", "qwen-gateway")]["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in gateway["containers"][0]["env"]}
     assert env["NOCTAYA_SCALER_MODE"] == "report" and "NOCTAYA_SCALER_PORT" not in env
+    # Without scaler TLS: plain HTTP and no TLS material at all.
+    assert env["NOCTAYA_AGGREGATOR_URL"] == "http://qwen-scaler.models.svc.cluster.local:9091/v1/report"
+    assert "NOCTAYA_AGGREGATOR_CA_FILE" not in env and all(v["name"] != "scaler-tls" for v in gateway["volumes"])
+    probe = multi[("Deployment", "qwen-aggregator")]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert "scheme" not in probe["httpGet"]
 
 
 def test_pvc_is_create_once_and_a_change_is_a_conflict() -> None:

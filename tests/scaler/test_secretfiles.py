@@ -36,6 +36,12 @@ def as_pod(message: str) -> dict:
                                      "NOCTAYA_SCALER_TLS_CERT_FILE": "/nonexistent/tls.crt",
                                      "NOCTAYA_SCALER_TLS_KEY_FILE": "/nonexistent/tls.key",
                                      "NOCTAYA_SCALER_TLS_CA_FILE": "/nonexistent/ca.crt"}, "qwen-scaler-tls"),
+    # A reporting gateway mounts only the CA of the scaler TLS Secret.
+    (["-m", "gateway"], {"NOCTAYA_BACKEND_URL": "http://127.0.0.1:1", "NOCTAYA_SERVED_MODEL_NAME": "m",
+                         "NOCTAYA_SCALER_MODE": "report", "NOCTAYA_AGGREGATOR_URL": "https://s:9091/v1/report",
+                         "NOCTAYA_AGGREGATOR_TOKEN_FILE": "/nonexistent/token",
+                         "NOCTAYA_SCALER_TLS_SECRET": "qwen-scaler-tls",
+                         "NOCTAYA_AGGREGATOR_CA_FILE": "/nonexistent/ca.crt"}, "qwen-scaler-tls"),
 ])
 def test_missing_secret_files_end_the_program_with_a_message_naming_the_secret(
         tmp_path: Path, argv: list[str], env: dict[str, str], secret: str) -> None:
