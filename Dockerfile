@@ -2,6 +2,7 @@
 #   python -m hooks serve        Metacontroller hook server (default)
 #   python -m gateway            the per-LLMService gateway (in-process scaler when alone)
 #   python -m scaler aggregate   the aggregate scaler of a multi-gateway LLMService
+#   python -m prewarm hub|wait   the prewarm Job's downloader, the serving Pod's cache-marker wait
 # The manifests under metacontroller/ and the children the hooks render set `command` explicitly.
 #
 #   docker build -t ghcr.io/noctaya/noctaya:0.1.0 .
@@ -18,6 +19,7 @@ RUN python -m venv /opt/noctaya \
 COPY hooks /app/hooks
 COPY gateway /app/gateway
 COPY scaler /app/scaler
+COPY prewarm /app/prewarm
 # Byte-compile now: the running containers have a read-only root filesystem.
 RUN /opt/noctaya/bin/python -m compileall -q /app /opt/noctaya/lib
 

@@ -1,0 +1,80 @@
+"""``python -m prewarm hub`` (download and promote) and ``python -m prewarm wait`` (init container).
+
+Exit status: 0 done, 1 failed (the Job retries; the reason is in the log and the termination
+message, where the hooks read it for PrewarmFailed), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from prewarm.layout import LayoutError, ModelDir
+
+DEFAULT_WAIT_TIMEOUT = 6 * 3600
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m prewarm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("hub", "download a Hugging Face or ModelScope revision into the cache"),
+                            ("wait", "wait until the cache holds the revision (serving Pod init container)")):
+        cmd = sub.add_parser(name, help=help_text)
+        cmd.add_argument("--source", required=True, help="hf://org/name or modelscope://org/name")
+        cmd.add_argument("--revision", default="", help="branch, tag or commit (default: the hub's default branch)")
+        cmd.add_argument("--cache-dir", required=True, help="the mounted cache volume")
+        if name == "hub":
+            cmd.add_argument("--progress-interval", type=float, default=10.0, help="seconds between progress lines")
+        else:
+            cmd.add_argument("--timeout", type=float, default=DEFAULT_WAIT_TIMEOUT, help="give up after this many seconds")
+            cmd.add_argument("--interval", type=float, default=2.0, help="seconds between checks")
+    return parser
+
+
+def _fail(message: str) -> int:
+    from scaler.secretfiles import write_termination_message
+
+    logging.getLogger("noctaya.prewarm").error("%s", message)
+    write_termination_message(message)
+    return 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("NOCTAYA_LOG_LEVEL", "INFO").upper(), stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore", "httpcore2", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)  # one line per HTTP request drowns the progress
+    # The hub clients' progress bars redraw with \r: unreadable in `kubectl logs`; ours is a line.
+    for var in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE", "HF_HUB_DISABLE_TELEMETRY"):
+        os.environ.setdefault(var, "1")
+    args = build_parser().parse_args(argv)
+    try:
+        model = ModelDir.of(args.cache_dir, args.source, args.revision or None)
+    except LayoutError as exc:
+        print(f"prewarm: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "wait":
+        from prewarm.wait import wait_for_marker
+
+        if wait_for_marker(model, args.timeout, args.interval):
+            return 0
+        return _fail(f"{model.source}@{model.revision} was not in the cache after {args.timeout:.0f} s: "
+                     "see the prewarm Job's status and logs")
+
+    from prewarm.hub import PrewarmError, _token, prewarm, redact
+
+    try:
+        prewarm(model, progress_interval=args.progress_interval)
+    except PrewarmError as exc:
+        return _fail(str(exc))
+    except Exception as exc:  # no traceback: a library's locals or messages could carry the token
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        return _fail(redact(f"{model.source}@{model.revision}: unexpected {type(exc).__name__}: {first}", _token()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

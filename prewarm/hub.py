@@ -1,0 +1,225 @@
+"""Download one revision of a hub repository into the cache, verified, then promote it.
+
+The hubs' own clients do the transfer (``huggingface_hub.snapshot_download``, honouring
+``HF_ENDPOINT``; ``modelscope.snapshot_download``, honouring ``MODELSCOPE_ENDPOINT``): they know the
+protocols, retries, resumption and (for Hugging Face) Xet storage. What this module adds is what a
+cache shared with serving Pods needs: the file list is taken from the hub *before* the download, at
+one resolved commit; every listed file must arrive with its size and, where the hub gives one, its
+hash (LFS sha256 or git blob id on Hugging Face, sha256 on ModelScope); only then is ``.partial``
+renamed into place and the marker written.
+
+Tokens come from the environment (``HF_TOKEN`` / ``MODELSCOPE_API_TOKEN``, projected from the
+Secret by the Job), never from arguments; every message this module prints is passed through
+``redact`` so a token that a library put into an error text does not reach the Job's log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prewarm.layout import ModelDir
+from prewarm.progress import Progress
+
+log = logging.getLogger("noctaya.prewarm")
+
+TOKEN_ENV = {"hf": "HF_TOKEN", "modelscope": "MODELSCOPE_API_TOKEN"}
+SECRET_ENV = "NOCTAYA_CREDENTIALS_SECRET"  # the Secret's name (never its data), for error messages
+HASH_CHUNK = 8 << 20
+
+
+class PrewarmError(Exception):
+    """A failure with a message fit for the Job's log and termination message."""
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str
+    size: int
+    sha256: str | None = None
+    git_blob: str | None = None  # git blob sha1 (Hugging Face, files not in LFS)
+
+
+@dataclass(frozen=True)
+class Listing:
+    resolved: str | None  # the commit the revision pointed at, when the hub says
+    files: tuple[RemoteFile, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class HubClient:
+    """One hub's listing and download, through its official client."""
+
+    scheme: str
+
+    def listing(self, repo_id: str, revision: str) -> Listing:
+        raise NotImplementedError
+
+    def download(self, repo_id: str, revision: str, target: Path) -> None:
+        raise NotImplementedError
+
+    def auth_failure(self, exc: BaseException) -> str | None:
+        """'refused' / 'missing' when ``exc`` is the hub refusing access, else None."""
+        raise NotImplementedError
+
+
+class HuggingFaceClient(HubClient):
+    scheme = "hf"
+
+    def listing(self, repo_id: str, revision: str) -> Listing:
+        from huggingface_hub import HfApi
+        from huggingface_hub.hf_api import RepoFile
+
+        api = HfApi()
+        commit = api.repo_info(repo_id, revision=revision).sha
+        files = []
+        for entry in api.list_repo_tree(repo_id, recursive=True, revision=commit or revision):
+            if isinstance(entry, RepoFile):
+                lfs = entry.lfs
+                files.append(RemoteFile(entry.path, int(entry.size), lfs.sha256 if lfs else None,
+                                        None if lfs else entry.blob_id))
+        return Listing(commit, tuple(files))
+
+    def download(self, repo_id: str, revision: str, target: Path) -> None:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id, revision=revision, local_dir=target, max_workers=4)
+        shutil.rmtree(target / ".cache", ignore_errors=True)  # the client's bookkeeping, not weights
+
+    def auth_failure(self, exc: BaseException) -> str | None:
+        from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+        if isinstance(exc, GatedRepoError | RepositoryNotFoundError):
+            return "refused"
+        if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code in (401, 403):
+            return "refused"
+        return None
+
+
+class ModelScopeClient(HubClient):
+    scheme = "modelscope"
+
+    def listing(self, repo_id: str, revision: str) -> Listing:
+        from modelscope.hub.api import HubApi
+
+        entries = HubApi().list_repo_files(repo_id, "model", revision=revision, recursive=True)
+        files = tuple(RemoteFile(e.path, int(e.size), e.sha256) for e in entries
+                      if getattr(e, "type", "blob") != "tree" and e.path)
+        return Listing(None, files)
+
+    def download(self, repo_id: str, revision: str, target: Path) -> None:
+        from modelscope import snapshot_download
+
+        snapshot_download(repo_id, revision=revision, local_dir=str(target), max_workers=4)
+
+    def auth_failure(self, exc: BaseException) -> str | None:
+        from modelscope_hub.errors import AuthenticationError, PermissionDeniedError
+
+        if isinstance(exc, AuthenticationError | PermissionDeniedError):
+            return "refused"
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        return "refused" if status in (401, 403) else None
+
+
+CLIENTS: dict[str, Callable[[], HubClient]] = {"hf": HuggingFaceClient, "modelscope": ModelScopeClient}
+
+
+def redact(text: str, secrets: Iterable[str | None]) -> str:
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _token() -> list[str | None]:
+    return [os.environ.get(v) for v in TOKEN_ENV.values()]
+
+
+def _auth_message(model: ModelDir, exc: BaseException) -> str:
+    secret = os.environ.get(SECRET_ENV, "").strip()
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    said = f"HTTP {status}" if status else type(exc).__name__
+    if os.environ.get(TOKEN_ENV[model.scheme]):
+        named = f'Secret "{secret}"' if secret else TOKEN_ENV[model.scheme]
+        return (f"{model.source}@{model.revision}: the hub refused the token from {named} ({said}); "
+                "check that the token is valid and has access to the repository")
+    return (f"{model.source}@{model.revision}: the hub refused access ({said}) and no token was given; "
+            "a private or gated repository needs model.credentialsSecret")
+
+
+def verify(target: Path, listing: Listing) -> None:
+    """Every listed file is there with its size and hash; raises PrewarmError naming the first that is not."""
+    for remote in listing.files:
+        path = target / remote.path
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise PrewarmError(f"{remote.path}: listed by the hub but not downloaded") from None
+        if size != remote.size:
+            raise PrewarmError(f"{remote.path}: {size} bytes on disk, the hub lists {remote.size}")
+        if remote.sha256 is not None:
+            got = _digest(path, hashlib.sha256())
+            if got != remote.sha256.lower():
+                raise PrewarmError(f"{remote.path}: sha256 {got} does not match the hub's {remote.sha256}")
+        elif remote.git_blob is not None:
+            got = _digest(path, hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False))
+            if got != remote.git_blob.lower():
+                raise PrewarmError(f"{remote.path}: git blob id {got} does not match the hub's {remote.git_blob}")
+
+
+def _digest(path: Path, h: hashlib._Hash) -> str:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def prewarm(model: ModelDir, client: HubClient | None = None, progress_interval: float = 10.0) -> dict[str, object]:
+    """Stage ``model`` in the cache; returns the marker. Idempotent: a present marker is success."""
+    existing = model.read_marker()
+    if existing is not None:
+        log.info("%s@%s is already in the cache (%s files); nothing to do", model.source, model.revision,
+                 existing.get("files"))
+        return existing
+    client = client or CLIENTS[model.scheme]()
+    model.parent.mkdir(parents=True, exist_ok=True)
+    if model.clear_partial():
+        log.info("removed %s left by an interrupted attempt", model.partial.name)
+    try:
+        listing = client.listing(model.repo_id, model.revision)
+    except Exception as exc:
+        raise _failure(model, client, exc, "listing the repository") from None
+    if not listing.files:
+        raise PrewarmError(f"{model.source}@{model.revision}: the hub lists no files")
+    pinned = listing.resolved or model.revision
+    log.info("downloading %s@%s%s: %d files, %s", model.source, model.revision,
+             f" (commit {listing.resolved})" if listing.resolved and listing.resolved != model.revision else "",
+             len(listing.files), Progress.human(listing.total_bytes))
+    model.partial.mkdir(parents=True)
+    with Progress(model.partial, listing.total_bytes, log, progress_interval):
+        try:
+            client.download(model.repo_id, pinned, model.partial)
+        except Exception as exc:
+            raise _failure(model, client, exc, "downloading") from None
+    verify(model.partial, listing)
+    marker = {"resolved": listing.resolved, "files": len(listing.files), "bytes": listing.total_bytes}
+    model.promote(marker)
+    log.info("promoted %s and wrote %s: %d files, %s", model.final, model.marker.name, len(listing.files),
+             Progress.human(listing.total_bytes))
+    return {"source": model.source, "revision": model.revision, **marker}
+
+
+def _failure(model: ModelDir, client: HubClient, exc: BaseException, doing: str) -> PrewarmError:
+    if client.auth_failure(exc) is not None:
+        return PrewarmError(_auth_message(model, exc))
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    detail = f"HTTP {status}" if status else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    return PrewarmError(redact(f"{model.source}@{model.revision}: {doing} failed: {detail}", _token()))
