@@ -20,7 +20,7 @@ from hooks.config import HookConfig, resolve
 from hooks.controller import observe as obs
 from hooks.controller import status as st
 from hooks.errors import describe_validation_error
-from hooks.resources import autoscaling, backend, cache, disruption, gateway, labels, names, scaler, secrets
+from hooks.resources import autoscaling, backend, cache, disruption, gateway, labels, names, prewarm, scaler, secrets
 from hooks.resources.context import RenderContext, endpoint_url
 from hooks.runtime.select import Resolution, select_runtime
 
@@ -84,7 +84,7 @@ def _missing_secrets(service: LLMService, observed: obs.Observed) -> dict[str, s
     listed): the Pods that use them say so (see hooks.controller.status.pod_secrets_missing)."""
     wanted: dict[str, tuple[str, tuple[str, ...]]] = {}
     if service.spec.model.credentials_secret is not None and service.spec.model.parsed.is_hub:
-        wanted["credentials"] = (service.spec.model.credentials_secret.name, (labels.BACKEND,))
+        wanted["credentials"] = (service.spec.model.credentials_secret.name, (labels.BACKEND, labels.PREWARM))
     if service.spec.endpoint.auth is not None:
         wanted["auth"] = (service.spec.endpoint.auth.secret_ref.name, (labels.GATEWAY,))
     if service.spec.scaler_tls is not None:
@@ -115,8 +115,15 @@ def plan_children(
     """The desired children (appended to `out`) and the cache / autoscaling conditions."""
     name = ctx.name
     cache_plan = cache.plan(ctx)
-    if keda and not cache_plan.blocks_backend:
-        out.children.append(backend.deployment(ctx, cache_plan.mount, observed_deployment(observed, names.backend(name))))
+    mount, staging = cache_plan.mount, None
+    if prewarm.applies(ctx):
+        mount = prewarm.staged_mount(ctx, mount)
+        staging = _plan_prewarm(ctx, observed, out, cache_plan.mount.volume, missing)
+    # Until the weights are staged no backend is created, and a running one (an older revision) is
+    # kept exactly as it is: it rolls to the new revision only once that revision is complete.
+    blocked = cache_plan.blocks_backend or (staging is not None and staging.status != "True")
+    if keda and not blocked:
+        out.children.append(backend.deployment(ctx, mount, observed_deployment(observed, names.backend(name))))
     else:
         existing = observed_deployment(observed, names.backend(name))
         if existing is not None:
@@ -155,6 +162,8 @@ def plan_children(
                         Reason.PROGRESSING,
                         f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with the first backend Pod)",
                     )
+    if staging is not None and cache_cond.reason != Reason.CACHE_SPEC_CONFLICT:
+        cache_cond = staging  # the Job says more than the claim (which it binds)
     spec = ctx.service.spec
     if spec.cache.strategy == "NodeLocalPVC" and spec.scaling.max > 1 and cache_cond.status != "False":
         # Not an error (replica 1 is fine), but replicas 2..N share one node's claim: say so where users look.
@@ -202,6 +211,42 @@ def plan_children(
             )
         )
     return so_plan
+
+
+def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, out: Outcome, volume: dict[str, Any],
+                  missing: dict[str, str]) -> st.Cond:
+    """The prewarm Job (create-once) and the CacheReady it implies; "True" once it succeeded."""
+    t = ConditionType.CACHE_READY
+    desired = prewarm.job(ctx, volume)
+    job_name = desired["metadata"]["name"]
+    staged = prewarm.model_dir(ctx)
+    what = f"{staged.source}@{staged.revision}"
+    existing = observed.child(obs.JOB, job_name)
+    if existing is None:
+        out.children.append(desired)
+        return st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, f"prewarm Job {job_name} created to stage {what}")
+    out.children.append(obs.kept(existing))
+    state = prewarm.job_state(existing, observed.pods_of(labels.PREWARM))
+    if state.phase == "succeeded":
+        # Done is done: a spec that changed since no longer matters for weights already verified.
+        return st.Cond(t, "True", Reason.AVAILABLE, f"{what} staged in the cache by Job {job_name}")
+    want = desired["metadata"]["annotations"][cache.SPEC_HASH]
+    have = ((existing.get("metadata") or {}).get("annotations") or {}).get(cache.SPEC_HASH)
+    if have != want:
+        return st.Cond(t, "False", Reason.CACHE_SPEC_CONFLICT, st.short(
+            f"prewarm Job {job_name} was created from a different spec and Jobs cannot change: delete it "
+            f"(kubectl delete job {job_name}) and it is created again; files already staged are kept"))
+    if "credentials" in missing:
+        return st.Cond(t, "False", Reason.SECRET_NOT_FOUND, st.short(
+            f"model.credentialsSecret {missing['credentials']} does not exist: the prewarm Job {job_name} cannot start"))
+    if state.phase == "failed":
+        said = f": {state.message}" if state.message else ""
+        return st.Cond(t, "False", Reason.PREWARM_FAILED, st.short(
+            f"prewarm Job {job_name} failed ({state.reason}){said}; delete the Job to try again"))
+    last = f"; the last attempt ended: {state.message}" if state.message else ""
+    return st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, st.short(
+        f"prewarm Job {job_name} is staging {what}, attempt {state.attempt} of {prewarm.BACKOFF_LIMIT + 1} "
+        f"(kubectl logs -f job/{job_name} shows bytes, rate and ETA){last}"))
 
 
 def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -> Outcome:
@@ -260,12 +305,18 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
     extra = []
     if "credentials" in missing:
         extra.append((Reason.SECRET_NOT_FOUND, f"model.credentialsSecret {missing['credentials']} does not exist"))
+    not_created = (Reason.PROGRESSING, "backend Deployment not created yet")
+    staging = out.conditions.get(ConditionType.CACHE_READY)
+    if not keda:
+        not_created = (Reason.WAITING_FOR_DEPENDENCIES, "the backend is created once KEDA is installed")
+    elif prewarm.applies(ctx) and staging is not None and staging.status != "True":
+        not_created = (staging.reason, "the backend is created once the prewarm Job has staged the weights")
     out.put(
         st.backend_condition(
             observed_deployment(observed, names.backend(name)),
             observed.live_pods(),
-            not_created_reason=Reason.PROGRESSING if keda else Reason.WAITING_FOR_DEPENDENCIES,
-            not_created_message="backend Deployment not created yet" if keda else "the backend is created once KEDA is installed",
+            not_created_reason=not_created[0],
+            not_created_message=not_created[1],
             extra_failures=extra,
         )
     )

@@ -2,7 +2,8 @@
 
 PVCs are create-once (their spec is mostly immutable): the desired spec is hashed into an
 annotation, and a later change is reported as CacheSpecConflict while the existing claim is kept.
-Prewarm Jobs and oci:// staging belong to the cache issue and are reported as not implemented.
+The prewarm Job that fills the cache is `hooks.resources.prewarm`; oci:// staging is not implemented
+yet and is reported so.
 """
 
 from __future__ import annotations
@@ -52,10 +53,6 @@ def claim(ctx: RenderContext) -> dict[str, Any]:
 def plan(ctx: RenderContext) -> CachePlan:
     cache = ctx.service.spec.cache
     source = ctx.service.spec.model.parsed
-    pending: list[str] = []
-    if cache.prewarm:
-        pending.append("the prewarm Job")
-
     if source.scheme == "pvc" and cache.strategy != "HostPath":
         # Pre-staged weights are mounted from their own claim; the cache only holds engine scratch.
         mount = CacheMount({"emptyDir": {"sizeLimit": PVC_SOURCE_SCRATCH}})
@@ -79,13 +76,5 @@ def plan(ctx: RenderContext) -> CachePlan:
             "oci:// staging is not implemented yet, and an engine cannot pull an OCI artifact itself: "
             "no backend is created (an existing one is kept)",
             blocks_backend=True,
-        )
-    if pending:
-        return CachePlan(
-            result.mount,
-            result.claim,
-            "Unknown",
-            Reason.NOT_IMPLEMENTED,
-            f"{' and '.join(pending)} is not implemented yet; serving Pods download the weights themselves",
         )
     return result

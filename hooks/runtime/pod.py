@@ -32,10 +32,14 @@ DEFAULT_LIVENESS = Probe(path="/health", period_seconds=10, timeout_seconds=5, f
 
 @dataclass(frozen=True)
 class CacheMount:
-    """The cache volume chosen by the cache strategy (emptyDir, hostPath or a claim)."""
+    """The cache volume chosen by the cache strategy (emptyDir, hostPath or a claim), and, when a
+    Job stages the weights there, the directory the engine loads and the init container that waits
+    for the Job's marker."""
 
     volume: dict[str, Any]
     read_only: bool = False
+    staged_model_path: str | None = None
+    wait_container: dict[str, Any] | None = None
 
 
 # What the gateway polls when the readiness probe is not HTTP: every OpenAI-compatible engine serves it.
@@ -117,21 +121,22 @@ def _probe(p: Probe, engine_port: int) -> dict[str, Any]:
     return probe
 
 
-def _credentials_env(service: LLMService) -> list[dict[str, Any]]:
-    """Hub tokens projected from the Secret: never in args, status or logs."""
+def _credentials_env(service: LLMService, staged: bool) -> list[dict[str, Any]]:
+    """Hub tokens projected from the Secret: never in args, status or logs; and never in a Pod
+    that loads weights a Job staged (only that Job needs them)."""
     cred = service.spec.model.credentials_secret
     source = service.spec.model.parsed
-    if cred is None or not source.is_hub:
+    if cred is None or not source.is_hub or staged:
         return []
     var = "HF_TOKEN" if source.scheme == "hf" else "MODELSCOPE_API_TOKEN"
     return [{"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}}]
 
 
-def engine_env(service: LLMService, runtime: InferenceRuntime) -> list[dict[str, Any]]:
+def engine_env(service: LLMService, runtime: InferenceRuntime, staged_model_path: str | None = None) -> list[dict[str, Any]]:
     spec = runtime.spec
     cache = spec.cache_mount_path
     noctaya = [
-        _env("NOCTAYA_MODEL_PATH", model_path(service, runtime)),
+        _env("NOCTAYA_MODEL_PATH", staged_model_path or model_path(service, runtime)),
         _env("NOCTAYA_SERVED_NAME", service.served_name),
         _env("NOCTAYA_PORT", str(spec.port)),
         _env("NOCTAYA_ACCELERATORS", str(service.spec.resources.accelerators)),
@@ -139,13 +144,17 @@ def engine_env(service: LLMService, runtime: InferenceRuntime) -> list[dict[str,
         _env("HF_HOME", f"{cache}/huggingface"),
         _env("MODELSCOPE_CACHE", f"{cache}/modelscope"),
     ]
-    if service.spec.model.parsed.scheme == "modelscope" and spec.engine == "vllm":
+    if staged_model_path is not None:
+        # The weights are a local directory: the hub clients must not reach out (the Pod may have
+        # no egress at all, and a revision check would only slow the start).
+        noctaya.append(_env("HF_HUB_OFFLINE", "1"))
+    elif service.spec.model.parsed.scheme == "modelscope" and spec.engine == "vllm":
         noctaya.append(_env("VLLM_USE_MODELSCOPE", "True"))
     place = vendors.placement(spec.accelerator, service.spec.resources.accelerators)
     return _merge_env(
         noctaya,
         place.env,
-        _credentials_env(service),
+        _credentials_env(service, staged_model_path is not None),
         _wire_env(spec.env),
         _wire_env(service.spec.runtime.env),
     )
@@ -241,7 +250,7 @@ def pod_template(
     args = [*spec.args, *service.spec.runtime.args]
     if args:
         container["args"] = args
-    container["env"] = engine_env(service, runtime)
+    container["env"] = engine_env(service, runtime, cache.staged_model_path)
     container["ports"] = ports
     resources = _resources(service, runtime)
     if resources:
@@ -261,6 +270,7 @@ def pod_template(
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.lifecycle.grace_seconds,
+        **({"initContainers": [cache.wait_container]} if cache.wait_container is not None else {}),
         "containers": [container],
         "volumes": volumes,
     }

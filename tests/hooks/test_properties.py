@@ -74,8 +74,12 @@ def test_children_are_safe(scenario: tuple[dict, list[dict]]) -> None:
     children = answer["children"] + autoscaling.sync(h.decorator_request(service, runtimes), h.config())["attachments"]
     assert set(answer) == {"status", "children", "resyncAfterSeconds", "finalized"}
     has_backend = any(c["kind"] == "Deployment" and c["metadata"]["labels"][lb.COMPONENT] == "backend" for c in children)
-    # oci:// weights need the staging Job (not built yet): no backend that could only crash-loop
-    assert has_backend == (not service["spec"]["model"]["source"].startswith("oci://"))
+    # oci:// weights need the staging Job (not built yet), prewarmed hub weights their Job: no backend
+    # before (it could only crash-loop, or wait holding an accelerator).
+    source = service["spec"]["model"]["source"]
+    prewarmed = service["spec"]["cache"].get("prewarm", False) and source.split(":")[0] in ("hf", "modelscope")
+    assert has_backend == (not source.startswith("oci://") and not prewarmed)
+    assert any(c["kind"] == "Job" for c in children) == prewarmed
     keys = set()
     for child in children:
         meta = child["metadata"]
@@ -165,3 +169,39 @@ def test_finalize_never_finishes_early(scenario: tuple[dict, list[dict]]) -> Non
         if not state:
             pods = []  # the backend Pods drain once their Deployment is gone
     assert answer["finalized"] is True
+
+
+def _complete(job: dict) -> dict:
+    job["status"] = {"succeeded": 1, "conditions": [{"type": "SuccessCriteriaMet", "status": "True"},
+                                                    {"type": "Complete", "status": "True"}]}
+    return job
+
+
+@SETTINGS
+@given(scenarios())
+def test_no_serving_container_reads_a_prewarmed_cache_before_the_marker(scenario: tuple[dict, list[dict]]) -> None:
+    """Whatever the spec, once a prewarm Job exists the backend that loads its weights has the marker
+    wait as its first init container, the engine loads the promoted directory offline and carries no
+    hub token, and a SharedPVC is mounted read-only by every serving container."""
+    service, runtimes = scenario
+    first = sync.sync(_request(service, runtimes), h.config())
+    jobs = [c for c in first["children"] if c["kind"] == "Job"]
+    if not jobs:
+        return
+    observed = [h.as_observed(_complete(c) if c["kind"] == "Job" else c, i) for i, c in enumerate(first["children"])]
+    answer = sync.sync(_request({**service, "status": first["status"]}, runtimes, observed), h.config(h.LATER_TIME))
+    (backend,) = [c for c in answer["children"] if c["kind"] == "Deployment" and c["metadata"]["labels"][lb.COMPONENT] == "backend"]
+    pod_spec = backend["spec"]["template"]["spec"]
+    cache_volume = next(v["name"] for v in pod_spec["volumes"] if v["name"] == "model-cache")
+    inits = pod_spec.get("initContainers") or []
+    assert inits and inits[0]["name"] == "wait-for-weights" and inits[0]["command"][:4] == ["python", "-m", "prewarm", "wait"]
+    engine = pod_spec["containers"][0]
+    env = {e["name"]: e for e in engine["env"]}
+    assert env["HF_HUB_OFFLINE"]["value"] == "1"
+    assert env["NOCTAYA_MODEL_PATH"]["value"].startswith(inits[0]["command"][inits[0]["command"].index("--cache-dir") + 1])
+    assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in engine["env"]), "a serving Pod got the hub token"
+    shared = service["spec"]["cache"]["strategy"] == "SharedPVC"
+    for container in [*inits, *pod_spec["containers"]]:
+        for mount in container.get("volumeMounts") or []:
+            if mount["name"] == cache_volume and (shared or container is inits[0]):
+                assert mount.get("readOnly") is True, container["name"]

@@ -1,0 +1,225 @@
+"""The prewarm Job that stages hub weights in the cache, the serving Pod's marker wait, and what the
+observed Job says.
+
+With `cache.prewarm` a short-lived Job (`python -m prewarm hub`) downloads `model.source` at
+`model.revision` into the cache with the hub's own client, verifies every file and promotes it with
+one rename before writing the readiness marker (paths: `prewarm.layout`, shared with the Job). Serving
+Pods load that directory with the hub client offline, carry no hub token, and start only behind an
+init container that waits for the marker. The Job requests no accelerator; where the cache lives on
+one node (NodeLocalPVC, HostPath) it is placed like the backend, so the weights land where the
+backend will run.
+
+Jobs are create-once (their Pod template is immutable): the Job is named after the source and
+revision it stages, so a new revision is a new Job beside the old one, and its desired spec is hashed
+into an annotation so a different spec for the same revision is reported, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from hooks.api.common import pull_secret_names
+from hooks.resources import gateway, labels, names
+from hooks.resources.cache import SPEC_HASH, spec_hash
+from hooks.resources.context import RenderContext
+from hooks.runtime import pod, vendors
+from prewarm.layout import ModelDir
+
+JOB_CONTAINER = "prewarm"
+WAIT_CONTAINER = "wait-for-weights"
+BACKOFF_LIMIT = 3  # four attempts; each resumes nothing (a leftover .partial is removed first)
+ACTIVE_DEADLINE_SECONDS = 6 * 3600  # a 100 GB model over a slow link, with room; then PrewarmFailed
+JOB_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+WAIT_RESOURCES = {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}}
+TMP_SIZE = "1Gi"
+# Settings a user gives the engine for reaching the hub (a mirror, a proxy) apply to the Job too.
+PASSED_THROUGH_ENV = ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY",
+                      "https_proxy", "http_proxy", "no_proxy", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
+
+
+def applies(ctx: RenderContext) -> bool:
+    """Hub weights staged by a Job (the schema allows prewarm only with a persistent cache)."""
+    return ctx.service.spec.cache.prewarm and ctx.service.spec.model.parsed.is_hub
+
+
+def model_dir(ctx: RenderContext) -> ModelDir:
+    return ModelDir.of(ctx.runtime.spec.cache_mount_path, ctx.service.spec.model.source, pod.model_revision(ctx.service))
+
+
+def job_name(ctx: RenderContext) -> str:
+    staged = model_dir(ctx)
+    return names.child_name(ctx.name, f"prewarm-{names.stable_hash(f'{staged.source}@{staged.revision}')}")
+
+
+def _env(name: str, value: str) -> dict[str, str]:
+    return {"name": name, "value": value}
+
+
+def _passed_through(ctx: RenderContext) -> list[dict[str, Any]]:
+    chosen: dict[str, dict[str, Any]] = {}
+    for var in [*ctx.runtime.spec.env, *ctx.service.spec.runtime.env]:
+        if var.name in PASSED_THROUGH_ENV:
+            chosen[var.name] = var.wire()
+    return list(chosen.values())
+
+
+def _credentials(ctx: RenderContext) -> list[dict[str, Any]]:
+    cred = ctx.service.spec.model.credentials_secret
+    if cred is None:
+        return []
+    scheme = ctx.service.spec.model.parsed.scheme
+    var = "HF_TOKEN" if scheme == "hf" else "MODELSCOPE_API_TOKEN"
+    return [
+        # The name only, for error messages; the value comes from the Secret, never from args.
+        _env("NOCTAYA_CREDENTIALS_SECRET", cred.name),
+        {"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}},
+    ]
+
+
+def _placement(ctx: RenderContext) -> dict[str, Any]:
+    """The backend's node constraints, where the cache is one node's (else anywhere)."""
+    if ctx.service.spec.cache.strategy not in ("NodeLocalPVC", "HostPath"):
+        return {}
+    place = vendors.placement(ctx.runtime.spec.accelerator, ctx.service.spec.resources.accelerators)
+    out: dict[str, Any] = {}
+    if place.node_selector:
+        out["nodeSelector"] = dict(sorted(place.node_selector.items()))
+    if place.tolerations:
+        out["tolerations"] = place.tolerations
+    return out
+
+
+def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
+    staged = model_dir(ctx)
+    mount_path = ctx.runtime.spec.cache_mount_path
+    command = ["python", "-m", "prewarm", "hub", "--source", staged.source, "--revision", staged.revision,
+               "--cache-dir", mount_path]
+    container = {
+        "name": JOB_CONTAINER,
+        "image": ctx.config.image,
+        "imagePullPolicy": ctx.config.image_pull_policy,
+        "command": command,
+        "env": [
+            _env("HF_HOME", "/tmp/huggingface"),
+            _env("MODELSCOPE_CACHE", "/tmp/modelscope"),
+            # No device plugin, no accelerator library: the download must not touch either.
+            _env("TORCH_DEVICE_BACKEND_AUTOLOAD", "0"),
+            _env("CUDA_VISIBLE_DEVICES", ""),
+            _env("HF_HUB_DISABLE_TELEMETRY", "1"),
+            _env("PYTHONDONTWRITEBYTECODE", "1"),
+            _env("PYTHONUNBUFFERED", "1"),
+            *_passed_through(ctx),
+            *_credentials(ctx),
+        ],
+        "resources": JOB_RESOURCES,
+        "securityContext": gateway.restricted_container_security(),
+        "volumeMounts": [{"name": pod.CACHE_VOLUME, "mountPath": mount_path},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    pull = pull_secret_names(ctx.service.spec.image_pull_secrets)
+    pod_spec: dict[str, Any] = {
+        **({"imagePullSecrets": pull} if pull else {}),
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": gateway.RUN_AS,
+            "runAsGroup": gateway.RUN_AS,
+            "fsGroup": gateway.RUN_AS,  # the claim becomes writable to the downloader
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        **_placement(ctx),
+        "containers": [container],
+        "volumes": [{"name": pod.CACHE_VOLUME, **cache_volume},
+                    {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}],
+    }
+    spec: dict[str, Any] = {
+        "backoffLimit": BACKOFF_LIMIT,
+        "activeDeadlineSeconds": ACTIVE_DEADLINE_SECONDS,
+        "template": {"metadata": {"labels": labels.labels(ctx.name, labels.PREWARM)}, "spec": pod_spec},
+    }
+    # The hash covers what the Job does and where, not the image: a Noctaya upgrade is no conflict.
+    hashed = {**spec, "template": {**spec["template"], "spec": {**pod_spec, "containers": [
+        {k: v for k, v in container.items() if k not in ("image", "imagePullPolicy")}]}}}
+    meta = ctx.metadata(job_name(ctx), labels.PREWARM, {SPEC_HASH: spec_hash(hashed)})
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
+
+
+def wait_container(ctx: RenderContext) -> dict[str, Any]:
+    """The serving Pod's init container: exits 0 once the pinned revision's marker exists."""
+    staged = model_dir(ctx)
+    return {
+        "name": WAIT_CONTAINER,
+        "image": ctx.config.image,
+        "imagePullPolicy": ctx.config.image_pull_policy,
+        "command": ["python", "-m", "prewarm", "wait", "--source", staged.source, "--revision", staged.revision,
+                    "--cache-dir", ctx.runtime.spec.cache_mount_path],
+        "env": [_env("NOCTAYA_PREWARM_JOB", job_name(ctx)), _env("PYTHONDONTWRITEBYTECODE", "1"),
+                _env("PYTHONUNBUFFERED", "1")],
+        "resources": WAIT_RESOURCES,
+        "securityContext": {**gateway.restricted_container_security(), "runAsUser": gateway.RUN_AS},
+        "volumeMounts": [{"name": pod.CACHE_VOLUME, "mountPath": ctx.runtime.spec.cache_mount_path, "readOnly": True}],
+    }
+
+
+def staged_mount(ctx: RenderContext, mount: pod.CacheMount) -> pod.CacheMount:
+    """The serving Pods' view of a prewarmed cache: the promoted directory as the model, the marker
+    wait in front of the engine, and a SharedPVC read-only (the Job is its only writer; with a
+    node-local cache the engine keeps write access for its own compile caches)."""
+    return dataclasses.replace(
+        mount,
+        read_only=ctx.service.spec.cache.strategy == "SharedPVC",
+        staged_model_path=str(model_dir(ctx).final),
+        wait_container=wait_container(ctx),
+    )
+
+
+@dataclass(frozen=True)
+class JobState:
+    phase: str  # "running", "succeeded" or "failed"
+    reason: str = ""
+    message: str = ""
+    attempt: int = 1
+
+
+def job_state(observed: dict[str, Any], pods: list[dict[str, Any]]) -> JobState:
+    """What the observed Job says, with the last failed attempt's own words when it failed."""
+    status = observed.get("status") or {}
+    conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, dict)}
+
+    def true(kind: str) -> dict[str, Any] | None:
+        c = conds.get(kind)
+        return c if c is not None and c.get("status") == "True" else None
+
+    failed = status.get("failed") if isinstance(status.get("failed"), int) else 0
+    if true("Complete") is not None or true("SuccessCriteriaMet") is not None:
+        return JobState("succeeded")
+    ended = true("Failed") or true("FailureTarget")
+    if ended is not None:
+        return JobState("failed", str(ended.get("reason") or "Failed"), _last_words(observed, pods) or
+                        str(ended.get("message") or ""), failed)
+    return JobState("running", attempt=failed + 1, message=_last_words(observed, pods) if failed else "")
+
+
+def _last_words(observed: dict[str, Any], pods: list[dict[str, Any]]) -> str:
+    """The termination message of this Job's most recent failed attempt (the downloader writes it)."""
+    name = (observed.get("metadata") or {}).get("name")
+    best: tuple[str, str] | None = None
+    for p in pods:
+        meta = p.get("metadata") or {}
+        pod_labels = meta.get("labels") or {}
+        if (pod_labels.get("batch.kubernetes.io/job-name") or pod_labels.get("job-name")) != name:
+            continue
+        for cs in (p.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("name") != JOB_CONTAINER:
+                continue
+            ended = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get("terminated")
+            if ended and ended.get("exitCode") not in (0, None):
+                words = str(ended.get("message") or ended.get("reason") or "").strip().splitlines()
+                stamp = str(ended.get("finishedAt") or "")
+                if words and (best is None or stamp > best[0]):
+                    best = (stamp, words[-1][:300])
+    return best[1] if best else ""
