@@ -275,8 +275,9 @@ class Cache(ApiModel):
     host_path: str | None = Field(default=None, description="Node directory for the HostPath strategy.", pattern=r"^/")
     prewarm: bool = Field(
         default=False,
-        description="Download the weights with a Job (no accelerator) before serving; with SharedPVC, serving Pods "
-        "then mount the cache read-only.",
+        description="hf:// and modelscope:// only: a Job (no accelerator) downloads model.revision into the cache, "
+        "verifies every file and promotes it atomically before the backend is created; serving Pods wait for its "
+        "marker, load the weights offline without the hub token, and mount a SharedPVC read-only.",
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (

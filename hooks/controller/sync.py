@@ -115,10 +115,10 @@ def plan_children(
     """The desired children (appended to `out`) and the cache / autoscaling conditions."""
     name = ctx.name
     cache_plan = cache.plan(ctx)
-    mount, staging = cache_plan.mount, None
+    mount, staging, job = cache_plan.mount, None, None
     if prewarm.applies(ctx):
         mount = prewarm.staged_mount(ctx, mount)
-        staging = _plan_prewarm(ctx, observed, out, cache_plan.mount.volume, missing)
+        job, staging = _plan_prewarm(ctx, observed, cache_plan.mount.volume, missing)
     # Until the weights are staged no backend is created, and a running one (an older revision) is
     # kept exactly as it is: it rolls to the new revision only once that revision is complete.
     blocked = cache_plan.blocks_backend or (staging is not None and staging.status != "True")
@@ -162,6 +162,8 @@ def plan_children(
                         Reason.PROGRESSING,
                         f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with the first backend Pod)",
                     )
+    if job is not None:
+        out.children.append(job)
     if staging is not None and cache_cond.reason != Reason.CACHE_SPEC_CONFLICT:
         cache_cond = staging  # the Job says more than the claim (which it binds)
     spec = ctx.service.spec
@@ -213,8 +215,8 @@ def plan_children(
     return so_plan
 
 
-def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, out: Outcome, volume: dict[str, Any],
-                  missing: dict[str, str]) -> st.Cond:
+def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, volume: dict[str, Any],
+                  missing: dict[str, str]) -> tuple[dict[str, Any], st.Cond]:
     """The prewarm Job (create-once) and the CacheReady it implies; "True" once it succeeded."""
     t = ConditionType.CACHE_READY
     desired = prewarm.job(ctx, volume)
@@ -223,28 +225,27 @@ def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, out: Outcome, volu
     what = f"{staged.source}@{staged.revision}"
     existing = observed.child(obs.JOB, job_name)
     if existing is None:
-        out.children.append(desired)
-        return st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, f"prewarm Job {job_name} created to stage {what}")
-    out.children.append(obs.kept(existing))
+        return desired, st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, f"prewarm Job {job_name} created to stage {what}")
+    kept = obs.kept(existing)
     state = prewarm.job_state(existing, observed.pods_of(labels.PREWARM))
     if state.phase == "succeeded":
         # Done is done: a spec that changed since no longer matters for weights already verified.
-        return st.Cond(t, "True", Reason.AVAILABLE, f"{what} staged in the cache by Job {job_name}")
+        return kept, st.Cond(t, "True", Reason.AVAILABLE, f"{what} staged in the cache by Job {job_name}")
     want = desired["metadata"]["annotations"][cache.SPEC_HASH]
     have = ((existing.get("metadata") or {}).get("annotations") or {}).get(cache.SPEC_HASH)
     if have != want:
-        return st.Cond(t, "False", Reason.CACHE_SPEC_CONFLICT, st.short(
+        return kept, st.Cond(t, "False", Reason.CACHE_SPEC_CONFLICT, st.short(
             f"prewarm Job {job_name} was created from a different spec and Jobs cannot change: delete it "
             f"(kubectl delete job {job_name}) and it is created again; files already staged are kept"))
     if "credentials" in missing:
-        return st.Cond(t, "False", Reason.SECRET_NOT_FOUND, st.short(
+        return kept, st.Cond(t, "False", Reason.SECRET_NOT_FOUND, st.short(
             f"model.credentialsSecret {missing['credentials']} does not exist: the prewarm Job {job_name} cannot start"))
     if state.phase == "failed":
         said = f": {state.message}" if state.message else ""
-        return st.Cond(t, "False", Reason.PREWARM_FAILED, st.short(
+        return kept, st.Cond(t, "False", Reason.PREWARM_FAILED, st.short(
             f"prewarm Job {job_name} failed ({state.reason}){said}; delete the Job to try again"))
     last = f"; the last attempt ended: {state.message}" if state.message else ""
-    return st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, st.short(
+    return kept, st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, st.short(
         f"prewarm Job {job_name} is staging {what}, attempt {state.attempt} of {prewarm.BACKOFF_LIMIT + 1} "
         f"(kubectl logs -f job/{job_name} shows bytes, rate and ETA){last}"))
 

@@ -130,3 +130,31 @@ def test_dashboard_shows_queue_in_flight_activation_and_replicas() -> None:
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert {"datasource", "namespace", "llmservice"} <= variables
+
+
+def _egress_ports(policy: dict[str, Any]) -> set[tuple[int | str, str]]:
+    return {(p["port"], p.get("protocol", "TCP")) for rule in policy["spec"].get("egress") or []
+            for p in rule.get("ports") or []}
+
+
+def test_network_policies_give_serving_pods_dns_only_and_the_prewarm_job_https() -> None:
+    policies = {d["metadata"]["name"]: d for d in load_documents(EXAMPLES_DIR / "security" / "network-policies.yaml")}
+    dns = {(53, "UDP"), (53, "TCP")}
+    backend = policies["noctaya-backend"]
+    assert backend["spec"]["podSelector"]["matchLabels"] == {"serving.noctaya.io/component": "backend"}
+    assert "Egress" in backend["spec"]["policyTypes"] and _egress_ports(backend) == dns
+    for rule in backend["spec"]["egress"]:  # DNS to the cluster's resolver only, nowhere else
+        assert rule["to"][0]["podSelector"]["matchLabels"] == {"k8s-app": "kube-dns"}
+    prewarm = policies["noctaya-prewarm-egress"]
+    assert prewarm["spec"]["podSelector"]["matchLabels"] == {"serving.noctaya.io/component": "prewarm"}
+    assert _egress_ports(prewarm) == dns | {(443, "TCP")}
+    assert "ingress" not in prewarm["spec"] and "Ingress" in prewarm["spec"]["policyTypes"]  # nothing reaches it
+    # The opt-in for a model that downloads at start-up is scoped to one LLMService's backends.
+    download = policies["noctaya-backend-download-qwen-7b"]
+    assert set(download["spec"]["podSelector"]["matchLabels"]) == {"serving.noctaya.io/llmservice",
+                                                                   "serving.noctaya.io/component"}
+    assert _egress_ports(download) == {(443, "TCP")}
+    # No other policy opens egress beyond DNS and Noctaya's own ports.
+    for name, policy in policies.items():
+        if name not in ("noctaya-prewarm-egress", "noctaya-backend-download-qwen-7b"):
+            assert (443, "TCP") not in _egress_ports(policy), name

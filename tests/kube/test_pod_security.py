@@ -117,3 +117,52 @@ def test_a_runtime_relaxing_capabilities_leaves_restricted_only_as_far_as_it_ask
     runtime["spec"]["security"] = {"runAsUser": 1000, "addCapabilities": ["IPC_LOCK"]}
     ok, why = admitted(kube, namespaces["baseline"], pods(runtime, "None", multi=False)["backend"])
     assert not ok and "IPC_LOCK" in why  # RDMA's pinned memory needs a privileged namespace
+
+
+def prewarmed_pods(runtime: dict[str, Any], cache: str) -> dict[str, dict[str, Any]]:
+    """The prewarm Job's Pod, and the backend Pod once that Job has succeeded (marker wait in front)."""
+    from hooks.controller import sync
+    from tests.hooks import helpers as h
+
+    vendor = runtime["spec"].get("accelerator", {}).get("vendor", "nvidia")
+    svc = h.llmservice(model={"source": "hf://org/model", "credentialsSecret": {"name": "hub-token"}},
+                       runtime={"name": runtime["metadata"]["name"]},
+                       resources={"accelerators": 0 if vendor == "none" else 1},
+                       cache={**CACHES[cache], "prewarm": True})
+    first = sync.sync(h.sync_request(svc, runtimes=[runtime]), h.config())
+    observed = []
+    for i, child in enumerate(first["children"]):
+        seen = h.as_observed(child, i)
+        if child["kind"] == "Job":
+            seen["status"] = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
+        observed.append(seen)
+    second = sync.sync(h.sync_request({**svc, "status": first["status"]}, runtimes=[runtime], children=observed), h.config())
+    out = {}
+    for obj in second["children"]:
+        component = obj["metadata"]["labels"]["serving.noctaya.io/component"]
+        if obj["kind"] in ("Job", "Deployment") and component in ("prewarm", "backend"):
+            template = obj["spec"]["template"]
+            out[component] = {"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": f"psa-{component}", "labels": template["metadata"]["labels"]},
+                              "spec": template["spec"]}
+    return out
+
+
+@pytest.mark.parametrize("cache", ["NodeLocalPVC", "SharedPVC", "HostPath"])
+@pytest.mark.parametrize("path", RUNTIMES, ids=lambda p: p.stem)
+def test_prewarm_job_and_staged_backend_meet_the_levels_promised(kube: ControlPlane, namespaces: dict[str, str],
+                                                                  path: Path, cache: str) -> None:
+    runtime = runtime_doc(path)
+    rendered = prewarmed_pods(runtime, cache)
+    assert set(rendered) == {"prewarm", "backend"}
+    assert rendered["backend"]["spec"]["initContainers"][0]["name"] == "wait-for-weights"
+    for component, pod in rendered.items():
+        for level in LEVELS:
+            ok, why = admitted(kube, namespaces[level], pod)
+            if cache == "HostPath":
+                assert not ok and "hostPath" in why, f"{component} {level}: {why or 'admitted'}"
+            elif component == "prewarm" or level == "baseline" or runs_as_non_root(runtime):
+                # The Job (and the marker wait) are Noctaya's image: restricted wherever the cache allows.
+                assert ok, f"{component} ({path.stem}, {cache}) refused by {level}: {why}"
+            else:
+                assert not ok and "runAsNonRoot" in why and "wait-for-weights" not in why, why
