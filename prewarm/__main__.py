@@ -1,4 +1,5 @@
-"""``python -m prewarm hub`` (download and promote) and ``python -m prewarm wait`` (init container).
+"""``python -m prewarm hub`` (download a hub revision), ``python -m prewarm oci`` (stage an OCI
+artifact pinned by digest) and ``python -m prewarm wait`` (the serving Pod's init container).
 
 Exit status: 0 done, 1 failed (the Job retries; the reason is in the log and the termination
 message, where the hooks read it for PrewarmFailed), 2 bad arguments.
@@ -21,14 +22,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m prewarm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("hub", "download a Hugging Face or ModelScope revision into the cache"),
+                            ("oci", "stage an OCI artifact, pinned by its manifest digest, into the cache"),
                             ("wait", "wait until the cache holds the revision (serving Pod init container)")):
         cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("--source", required=True, help="hf://org/name or modelscope://org/name")
-        cmd.add_argument("--revision", default="", help="branch, tag or commit (default: the hub's default branch)")
+        cmd.add_argument("--source", required=True,
+                         help="hf://org/name, modelscope://org/name or oci://registry/repo@sha256:<digest>")
+        if name != "oci":
+            cmd.add_argument("--revision", default="", help="branch, tag or commit (default: the hub's default branch)")
         cmd.add_argument("--cache-dir", required=True, help="the mounted cache volume")
-        if name == "hub":
+        if name in ("hub", "oci"):
             cmd.add_argument("--progress-interval", type=float, default=10.0, help="seconds between progress lines")
-        else:
+        if name == "oci":
+            cmd.add_argument("--docker-config", default=os.environ.get("NOCTAYA_REGISTRY_CONFIG_FILE", ""),
+                             help="Docker config JSON with the registry's credentials (env NOCTAYA_REGISTRY_CONFIG_FILE)")
+            cmd.add_argument("--plain-http", action="store_true", help="talk to the registry over HTTP (tests, demo)")
+        if name == "wait":
             cmd.add_argument("--timeout", type=float, default=DEFAULT_WAIT_TIMEOUT, help="give up after this many seconds")
             cmd.add_argument("--interval", type=float, default=2.0, help="seconds between checks")
     return parser
@@ -52,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(var, "1")
     args = build_parser().parse_args(argv)
     try:
-        model = ModelDir.of(args.cache_dir, args.source, args.revision or None)
+        model = ModelDir.of(args.cache_dir, args.source, getattr(args, "revision", "") or None)
+        if args.command != "wait" and (args.command == "oci") != (model.scheme == "oci"):
+            raise LayoutError(f"`python -m prewarm {args.command}` does not stage {args.source}")
     except LayoutError as exc:
         print(f"prewarm: {exc}", file=sys.stderr)
         return 2
@@ -67,7 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from prewarm.hub import PrewarmError, _token, prewarm, redact
 
     try:
-        prewarm(model, progress_interval=args.progress_interval)
+        if args.command == "oci":
+            from prewarm.oci import OciStager, stage
+            from scaler.secretfiles import exit_if_a_secret_is_missing
+
+            exit_if_a_secret_is_missing("prewarm")
+            stage(model, OciStager(args.docker_config or None, args.plain_http), args.progress_interval)
+        else:
+            prewarm(model, progress_interval=args.progress_interval)
     except PrewarmError as exc:
         return _fail(str(exc))
     except Exception as exc:  # no traceback: a library's locals or messages could carry the token

@@ -4,6 +4,9 @@
     <cache>/noctaya/<scheme>/<org>/<name>/<revision>.partial  a download in progress (never read)
     <cache>/noctaya/<scheme>/<org>/<name>/<revision>.ready    the marker: JSON naming what is there
 
+For oci:// the "org/name" is the registry and repository path (a port's ':' becomes '_') and the
+revision is the pinned manifest digest (directory ``sha256-<hex>``).
+
 The marker is written only after the rename that promotes the directory, and atomically (write to a
 temporary file, fsync, rename), so its presence means the whole revision is in place. The hooks
 render the same paths (``hooks.resources.prewarm``): keep both in step.
@@ -24,6 +27,7 @@ MARKER_SUFFIX = ".ready"
 PARTIAL_SUFFIX = ".partial"
 _SOURCE_RE = re.compile(r"^(hf|modelscope)://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)$")
 _REVISION_RE = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")
+_OCI_RE = re.compile(r"^oci://([a-z0-9.-]+(?::[0-9]+)?)((?:/[a-z0-9._-]+)+)@(sha256:[a-f0-9]{64})$")
 DEFAULT_REVISION = {"hf": "main", "modelscope": "master"}
 
 
@@ -33,6 +37,8 @@ class LayoutError(ValueError):
 
 def revision_key(revision: str) -> str:
     """A revision (branch, tag or commit; may contain '/') as one safe path component."""
+    if re.fullmatch(r"sha256:[a-f0-9]{64}", revision):
+        return revision.replace(":", "-")  # an OCI manifest digest
     if not _REVISION_RE.match(revision):
         raise LayoutError(f"revision {revision!r} must be 1-128 characters of [A-Za-z0-9._/-]")
     key = revision.replace("/", "--")
@@ -50,9 +56,17 @@ class ModelDir:
 
     @classmethod
     def of(cls, cache_dir: str | os.PathLike[str], source: str, revision: str | None) -> ModelDir:
+        oci = _OCI_RE.match(source)
+        if oci is not None:
+            registry, repo, digest = oci.groups()
+            segments = repo.strip("/").split("/")
+            if any(s in (".", "..") or s.startswith(".") for s in segments):
+                raise LayoutError(f"source {source!r} has a path segment that is not a name")
+            return cls(Path(cache_dir), "oci", f"{registry}{repo}", digest)
         match = _SOURCE_RE.match(source)
         if match is None:
-            raise LayoutError(f"source {source!r} must be hf://org/name or modelscope://org/name")
+            raise LayoutError(f"source {source!r} must be hf://org/name, modelscope://org/name or "
+                              "oci://registry/repo@sha256:<64 hex>")
         scheme, org, name = match.groups()
         if ".." in (org, name) or org.startswith(".") or name.startswith("."):
             raise LayoutError(f"source {source!r} has a path segment that is not a name")
@@ -62,11 +76,13 @@ class ModelDir:
 
     @property
     def source(self) -> str:
+        if self.scheme == "oci":
+            return f"oci://{self.repo_id}@{self.revision}"
         return f"{self.scheme}://{self.repo_id}"
 
     @property
     def parent(self) -> Path:
-        return self.cache_dir / ROOT / self.scheme / self.repo_id
+        return self.cache_dir / ROOT / self.scheme / self.repo_id.replace(":", "_")
 
     @property
     def final(self) -> Path:

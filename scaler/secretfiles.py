@@ -27,6 +27,7 @@ EXIT_SECRET_MISSING = 3
 # (env naming the Secret, env naming the files it must provide)
 SECRET_FILES = (
     ("NOCTAYA_AUTH_SECRET", ("NOCTAYA_AUTH_KEY_FILE",)),
+    ("NOCTAYA_CREDENTIALS_SECRET", ("NOCTAYA_REGISTRY_CONFIG_FILE",)),  # oci:// staging's registry login
     # The aggregate scaler and a single gateway serve with the certificate; gateways that report to
     # an aggregator verify it with the CA alone.
     ("NOCTAYA_SCALER_TLS_SECRET", ("NOCTAYA_SCALER_TLS_CERT_FILE", "NOCTAYA_SCALER_TLS_KEY_FILE",

@@ -105,7 +105,9 @@ class ModelSpec(ApiModel):
     credentials_secret: SecretKeyRef | None = Field(
         default=None,
         description="Secret with the hub token (key defaults to token) or, for oci://, a "
-        "kubernetes.io/dockerconfigjson Secret. Its data never appears in status, logs or args.",
+        "kubernetes.io/dockerconfigjson Secret (key defaults to .dockerconfigjson). Only the Job that stages the "
+        "weights gets it (and, without cache.prewarm, a hub model's engine). Its data never appears in status, "
+        "logs or args.",
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (

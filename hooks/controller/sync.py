@@ -83,7 +83,7 @@ def _missing_secrets(service: LLMService, observed: obs.Observed) -> dict[str, s
     """Referenced Secrets that Pods report missing, by role. Secrets are never read (not even
     listed): the Pods that use them say so (see hooks.controller.status.pod_secrets_missing)."""
     wanted: dict[str, tuple[str, tuple[str, ...]]] = {}
-    if service.spec.model.credentials_secret is not None and service.spec.model.parsed.is_hub:
+    if service.spec.model.credentials_secret is not None and service.spec.model.parsed.scheme != "pvc":
         wanted["credentials"] = (service.spec.model.credentials_secret.name, (labels.BACKEND, labels.PREWARM))
     if service.spec.endpoint.auth is not None:
         wanted["auth"] = (service.spec.endpoint.auth.secret_ref.name, (labels.GATEWAY,))
@@ -121,7 +121,7 @@ def plan_children(
         job, staging = _plan_prewarm(ctx, observed, cache_plan.mount.volume, missing)
     # Until the weights are staged no backend is created, and a running one (an older revision) is
     # kept exactly as it is: it rolls to the new revision only once that revision is complete.
-    blocked = cache_plan.blocks_backend or (staging is not None and staging.status != "True")
+    blocked = staging is not None and staging.status != "True"
     if keda and not blocked:
         out.children.append(backend.deployment(ctx, mount, observed_deployment(observed, names.backend(name))))
     else:

@@ -2,8 +2,7 @@
 
 PVCs are create-once (their spec is mostly immutable): the desired spec is hashed into an
 annotation, and a later change is reported as CacheSpecConflict while the existing claim is kept.
-The prewarm Job that fills the cache is `hooks.resources.prewarm`; oci:// staging is not implemented
-yet and is reported so.
+The Job that fills the cache (hub prewarm, oci:// staging) is `hooks.resources.prewarm`.
 """
 
 from __future__ import annotations
@@ -29,9 +28,6 @@ class CachePlan:
     status: str  # CacheReady status if nothing observed contradicts it
     reason: Reason
     message: str
-    # True while the backend could not find its weights at all (oci:// before staging exists):
-    # rendering it would only crash-loop on an accelerator.
-    blocks_backend: bool = False
 
 
 def spec_hash(spec: dict[str, Any]) -> str:
@@ -67,14 +63,4 @@ def plan(ctx: RenderContext) -> CachePlan:
         pvc = claim(ctx)
         mount = CacheMount({"persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}})
         result = CachePlan(mount, pvc, "Unknown", Reason.PROGRESSING, f"claim {pvc['metadata']['name']} not bound yet")
-    if source.scheme == "oci":
-        return CachePlan(
-            result.mount,
-            result.claim,
-            "False",
-            Reason.NOT_IMPLEMENTED,
-            "oci:// staging is not implemented yet, and an engine cannot pull an OCI artifact itself: "
-            "no backend is created (an existing one is kept)",
-            blocks_backend=True,
-        )
     return result

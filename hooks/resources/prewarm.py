@@ -1,11 +1,12 @@
-"""The prewarm Job that stages hub weights in the cache, the serving Pod's marker wait, and what the
-observed Job says.
+"""The Job that stages weights in the cache, the serving Pod's marker wait, and what the observed
+Job says.
 
 With `cache.prewarm` a short-lived Job (`python -m prewarm hub`) downloads `model.source` at
-`model.revision` into the cache with the hub's own client, verifies every file and promotes it with
-one rename before writing the readiness marker (paths: `prewarm.layout`, shared with the Job). Serving
-Pods load that directory with the hub client offline, carry no hub token, and start only behind an
-init container that waits for the marker. The Job requests no accelerator; where the cache lives on
+`model.revision` into the cache with the hub's own client; an `oci://` source is always staged by one
+(`python -m prewarm oci`, pinned by digest, links and escaping paths refused). Either verifies every
+file and promotes it with one rename before writing the readiness marker (paths: `prewarm.layout`,
+shared with the Job). Serving Pods load that directory offline, carry no hub or registry credentials,
+and start only behind an init container that waits for the marker. The Job requests no accelerator; where the cache lives on
 one node (NodeLocalPVC, HostPath) it is placed like the backend, so the weights land where the
 backend will run.
 
@@ -39,13 +40,20 @@ PASSED_THROUGH_ENV = ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HTTPS_PROXY", "HTTP
                       "https_proxy", "http_proxy", "no_proxy", "HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT")
 
 
+REGISTRY_DIR = "/var/run/noctaya/registry"
+REGISTRY_CONFIG = "config.json"
+
+
 def applies(ctx: RenderContext) -> bool:
-    """Hub weights staged by a Job (the schema allows prewarm only with a persistent cache)."""
-    return ctx.service.spec.cache.prewarm and ctx.service.spec.model.parsed.is_hub
+    """Weights staged by a Job: hub sources with `cache.prewarm`, oci:// always (an engine cannot
+    pull an artifact; the schema requires a persistent cache for both)."""
+    source = ctx.service.spec.model.parsed
+    return source.scheme == "oci" or (ctx.service.spec.cache.prewarm and source.is_hub)
 
 
 def model_dir(ctx: RenderContext) -> ModelDir:
-    return ModelDir.of(ctx.runtime.spec.cache_mount_path, ctx.service.spec.model.source, pod.model_revision(ctx.service))
+    return ModelDir.of(ctx.runtime.spec.cache_mount_path, ctx.service.spec.model.source,
+                       pod.model_revision(ctx.service) or None)
 
 
 def job_name(ctx: RenderContext) -> str:
@@ -70,6 +78,11 @@ def _credentials(ctx: RenderContext) -> list[dict[str, Any]]:
     if cred is None:
         return []
     scheme = ctx.service.spec.model.parsed.scheme
+    if scheme == "oci":
+        # A kubernetes.io/dockerconfigjson Secret, mounted as a file (registry_volume); its name is
+        # given so a missing Secret is reported by name (scaler.secretfiles).
+        return [_env("NOCTAYA_CREDENTIALS_SECRET", cred.name),
+                _env("NOCTAYA_REGISTRY_CONFIG_FILE", f"{REGISTRY_DIR}/{REGISTRY_CONFIG}")]
     var = "HF_TOKEN" if scheme == "hf" else "MODELSCOPE_API_TOKEN"
     return [
         # The name only, for error messages; the value comes from the Secret, never from args.
@@ -91,11 +104,26 @@ def _placement(ctx: RenderContext) -> dict[str, Any]:
     return out
 
 
+def _registry_volume(ctx: RenderContext) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cred = ctx.service.spec.model.credentials_secret
+    if cred is None or ctx.service.spec.model.parsed.scheme != "oci":
+        return [], []
+    return ([{"name": "registry-credentials", "secret": {
+                "secretName": cred.name, "items": [{"key": cred.key or ".dockerconfigjson", "path": REGISTRY_CONFIG}],
+                # optional: the Job's Pod starts and says which Secret is missing, for SecretNotFound.
+                "defaultMode": 0o440, "optional": True}}],
+            [{"name": "registry-credentials", "mountPath": REGISTRY_DIR, "readOnly": True}])
+
+
 def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
     staged = model_dir(ctx)
     mount_path = ctx.runtime.spec.cache_mount_path
-    command = ["python", "-m", "prewarm", "hub", "--source", staged.source, "--revision", staged.revision,
-               "--cache-dir", mount_path]
+    if staged.scheme == "oci":
+        command = ["python", "-m", "prewarm", "oci", "--source", staged.source, "--cache-dir", mount_path]
+    else:
+        command = ["python", "-m", "prewarm", "hub", "--source", staged.source, "--revision", staged.revision,
+                   "--cache-dir", mount_path]
+    registry_volumes, registry_mounts = _registry_volume(ctx)
     container = {
         "name": JOB_CONTAINER,
         "image": ctx.config.image,
@@ -116,7 +144,7 @@ def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
         "resources": JOB_RESOURCES,
         "securityContext": gateway.restricted_container_security(),
         "volumeMounts": [{"name": pod.CACHE_VOLUME, "mountPath": mount_path},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"}, *registry_mounts],
     }
     pull = pull_secret_names(ctx.service.spec.image_pull_secrets)
     pod_spec: dict[str, Any] = {
@@ -134,7 +162,7 @@ def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
         **_placement(ctx),
         "containers": [container],
         "volumes": [{"name": pod.CACHE_VOLUME, **cache_volume},
-                    {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}],
+                    {"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}, *registry_volumes],
     }
     spec: dict[str, Any] = {
         "backoffLimit": BACKOFF_LIMIT,
@@ -151,11 +179,12 @@ def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
 def wait_container(ctx: RenderContext) -> dict[str, Any]:
     """The serving Pod's init container: exits 0 once the pinned revision's marker exists."""
     staged = model_dir(ctx)
+    revision = [] if staged.scheme == "oci" else ["--revision", staged.revision]  # oci: the source's digest
     return {
         "name": WAIT_CONTAINER,
         "image": ctx.config.image,
         "imagePullPolicy": ctx.config.image_pull_policy,
-        "command": ["python", "-m", "prewarm", "wait", "--source", staged.source, "--revision", staged.revision,
+        "command": ["python", "-m", "prewarm", "wait", "--source", staged.source, *revision,
                     "--cache-dir", ctx.runtime.spec.cache_mount_path],
         "env": [_env("NOCTAYA_PREWARM_JOB", job_name(ctx)), _env("PYTHONDONTWRITEBYTECODE", "1"),
                 _env("PYTHONUNBUFFERED", "1")],

@@ -63,10 +63,7 @@ def model_path(service: LLMService, runtime: InferenceRuntime) -> str:
     source = service.spec.model.parsed
     if source.scheme == "pvc":
         return runtime.spec.model_mount_path
-    if source.scheme == "oci":
-        digest = (source.digest or "").split(":", 1)[-1]
-        return f"{runtime.spec.cache_mount_path}/oci/{digest[:16]}"
-    return source.location
+    return source.location  # oci:// weights are always staged: the staged path replaces this
 
 
 def model_revision(service: LLMService) -> str:

@@ -88,11 +88,8 @@ def test_every_strategy_and_source(strategy: str, kind: str, prewarm: bool) -> N
     if not allowed:  # refused by the schema (CEL at admission); the hook says InvalidSpec
         assert cond(answer, "Ready")["reason"] == "InvalidSpec"
         return
-    staged = prewarm and kind in ("hf", "modelscope")
+    staged = (prewarm and kind in ("hf", "modelscope")) or kind == "oci"  # oci:// is always staged
     assert bool(jobs(answer)) == staged
-    if kind == "oci":
-        assert backend(answer) is None and cond(answer, "CacheReady")["reason"] == "NotImplemented"
-        return
     if staged:
         assert backend(answer) is None, "no backend before the weights are staged"
         assert cond(answer, "CacheReady")["reason"] == "PrewarmRunning"
@@ -104,9 +101,16 @@ def test_every_strategy_and_source(strategy: str, kind: str, prewarm: bool) -> N
         pod_spec = backend(done)["spec"]["template"]["spec"]
         assert pod_spec["initContainers"][0]["name"] == "wait-for-weights"
         engine_env = {e["name"]: e for e in pod_spec["containers"][0]["env"]}
-        repo = SOURCES[kind].split("://", 1)[1]
-        default = "main" if kind == "hf" else "master"
-        assert engine_env["NOCTAYA_MODEL_PATH"]["value"].endswith(f"/noctaya/{kind}/{repo}/{default}")
+        if kind == "oci":
+            assert engine_env["NOCTAYA_MODEL_PATH"]["value"].endswith("/noctaya/oci/registry.example.com/models/qwen/sha256-" + "a" * 64)
+            command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+            assert command[3] == "oci" and "--revision" not in command
+            registry = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "registry-credentials")
+            assert registry["secret"]["items"] == [{"key": ".dockerconfigjson", "path": "config.json"}]
+        else:
+            repo = SOURCES[kind].split("://", 1)[1]
+            default = "main" if kind == "hf" else "master"
+            assert engine_env["NOCTAYA_MODEL_PATH"]["value"].endswith(f"/noctaya/{kind}/{repo}/{default}")
         assert not any("valueFrom" in e for e in engine_env.values() if e["name"] in ("HF_TOKEN", "MODELSCOPE_API_TOKEN"))
         assert "HF_TOKEN" not in engine_env and "MODELSCOPE_API_TOKEN" not in engine_env
         cache_mount = next(m for m in pod_spec["containers"][0]["volumeMounts"] if m["name"] == "model-cache")
@@ -283,3 +287,16 @@ def _containers(child: dict) -> list[dict]:
     template = (child.get("spec") or {}).get("template") or {}
     spec = template.get("spec") or {}
     return [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+
+
+def test_a_missing_registry_secret_is_reported_from_the_staging_pods_words() -> None:
+    svc = service(source=SOURCES["oci"])
+    first = sync.sync(h.sync_request(svc), h.config())
+    (job,) = jobs(first)
+    # What `python -m prewarm oci` leaves in its termination message (scaler.secretfiles).
+    said = h.pod(f"{job['metadata']['name']}-abc", component="prewarm", last_terminated="Error",
+                 terminated_message='Secret "hub-token" not found, or it lacks a key: '
+                                    "/var/run/noctaya/registry/config.json missing")
+    answer = resync(svc, first, {"active": 1, "failed": 1}, pods=[said])
+    c = cond(answer, "CacheReady")
+    assert (c["status"], c["reason"]) == ("False", "SecretNotFound") and "hub-token" in c["message"]

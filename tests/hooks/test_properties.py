@@ -74,12 +74,13 @@ def test_children_are_safe(scenario: tuple[dict, list[dict]]) -> None:
     children = answer["children"] + autoscaling.sync(h.decorator_request(service, runtimes), h.config())["attachments"]
     assert set(answer) == {"status", "children", "resyncAfterSeconds", "finalized"}
     has_backend = any(c["kind"] == "Deployment" and c["metadata"]["labels"][lb.COMPONENT] == "backend" for c in children)
-    # oci:// weights need the staging Job (not built yet), prewarmed hub weights their Job: no backend
-    # before (it could only crash-loop, or wait holding an accelerator).
+    # Weights a Job stages (oci:// always, hub sources with prewarm): no backend before the Job is done
+    # (it could only crash-loop, or wait holding an accelerator).
     source = service["spec"]["model"]["source"]
-    prewarmed = service["spec"]["cache"].get("prewarm", False) and source.split(":")[0] in ("hf", "modelscope")
-    assert has_backend == (not source.startswith("oci://") and not prewarmed)
-    assert any(c["kind"] == "Job" for c in children) == prewarmed
+    staged = source.startswith("oci://") or (
+        service["spec"]["cache"].get("prewarm", False) and source.split(":")[0] in ("hf", "modelscope"))
+    assert has_backend == (not staged)
+    assert any(c["kind"] == "Job" for c in children) == staged
     keys = set()
     for child in children:
         meta = child["metadata"]

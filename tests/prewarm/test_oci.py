@@ -1,0 +1,263 @@
+"""OCI staging against a real registry on 127.0.0.1 (Debian's docker-registry), holding artifacts the
+tests push with the same ORAS client the Job uses: correct files promoted; links, special files and
+paths escaping the target refused with no marker; a manifest or blob that does not match its digest
+refused (served through a tampering proxy in front of the real registry)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import requests
+
+from prewarm.hub import PrewarmError
+from prewarm.layout import ModelDir
+from prewarm.oci import OciStager, stage
+from tests.prewarm.registry import registry  # noqa: F401 - the session fixture
+
+pytest.importorskip("oras")
+
+ROOT = Path(__file__).resolve().parents[2]
+WEIGHTS = {"config.json": b'{"model_type": "granite"}', "model.safetensors": os.urandom(64 * 1024),
+           "tokenizer/tokenizer.json": b'{"v": 1}'}
+
+
+def manifest_digest(address: str, repo: str, tag: str) -> str:
+    r = requests.get(f"http://{address}/v2/{repo}/manifests/{tag}", timeout=10,
+                     headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    r.raise_for_status()
+    return "sha256:" + hashlib.sha256(r.content).hexdigest()
+
+
+def push_with_oras(address: str, repo: str, tag: str, workdir: Path) -> str:
+    """`oras push` of a directory and a file, as a user publishing weights would."""
+    import oras.client
+
+    weights = workdir / "weights"
+    for name, data in WEIGHTS.items():
+        (weights / name).parent.mkdir(parents=True, exist_ok=True)
+        (weights / name).write_bytes(data)
+    (workdir / "README.md").write_text("granite weights\n")
+    client = oras.client.OrasClient(hostname=address, insecure=True)
+    cwd = os.getcwd()
+    os.chdir(workdir)  # ORAS titles layers by the names given, relative to here
+    try:
+        client.push(target=f"{address}/{repo}:{tag}", files=["weights", "README.md"])
+    finally:
+        os.chdir(cwd)
+    return manifest_digest(address, repo, tag)
+
+
+def push_layers(address: str, repo: str, tag: str, workdir: Path, layers: list[tuple[bytes, str, dict]]) -> str:
+    """An artifact put together layer by layer with the ORAS SDK (for the hostile ones)."""
+    import oras.oci
+    import oras.provider
+
+    reg = oras.provider.Registry(insecure=True)
+    container = reg.get_container(f"{address}/{repo}:{tag}")
+    manifest = oras.oci.NewManifest()
+    for i, (data, media_type, notes) in enumerate(layers):
+        blob = workdir / f"layer-{i}"
+        blob.write_bytes(data)
+        layer = oras.oci.NewLayer(str(blob), media_type=media_type)
+        layer["annotations"] = notes
+        reg.upload_blob(str(blob), container, layer).raise_for_status()
+        manifest["layers"].append(layer)
+    conf, _ = oras.oci.ManifestConfig()  # the empty config "{}"
+    empty = workdir / "config.json"
+    empty.write_text("{}")
+    reg.upload_blob(str(empty), container, conf).raise_for_status()
+    manifest["config"] = conf
+    reg.upload_manifest(manifest, container).raise_for_status()
+    return manifest_digest(address, repo, tag)
+
+
+def tar_gz(add: Callable[[tarfile.TarFile], None]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        add(tar)
+    return buf.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"x", link: str = "") -> Callable[[tarfile.TarFile], None]:
+    def add(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.linkname = link
+        info.size = len(data) if kind == tarfile.REGTYPE else 0
+        tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+    return add
+
+
+def both(*adds: Callable[[tarfile.TarFile], None]) -> Callable[[tarfile.TarFile], None]:
+    return lambda tar: [a(tar) for a in adds]
+
+
+DIR = "application/vnd.oci.image.layer.v1.tar+gzip"
+FILE = "application/vnd.oci.image.layer.v1.tar"
+TITLE = "org.opencontainers.image.title"
+
+
+def tree(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prewarm", *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "HOME": "/nonexistent", **(env or {})})
+
+
+def test_an_artifact_pushed_with_oras_is_staged_verified_and_marked(registry: str, tmp_path: Path) -> None:  # noqa: F811
+    digest = push_with_oras(registry, "models/granite", "v1", tmp_path)
+    cache = tmp_path / "cache"
+    source = f"oci://{registry}/models/granite@{digest}"
+    term = tmp_path / "termination"
+    done = run_cli("oci", "--source", source, "--cache-dir", str(cache), "--plain-http", "--progress-interval", "0.01",
+                   env={"NOCTAYA_TERMINATION_LOG": str(term)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    model = ModelDir.of(cache, source, None)
+    assert model.final.name == "sha256-" + digest.split(":")[1]
+    assert tree(model.final) == {**{f"weights/{k}": v for k, v in WEIGHTS.items()}, "README.md": b"granite weights\n"}
+    marker = json.loads(model.marker.read_text())
+    assert marker["source"] == source and marker["revision"] == digest and marker["files"] == 4 and marker["layers"] == 2
+    assert not model.partial.exists() and not list(model.parent.glob("*.blobs"))
+    assert "promoted" in done.stdout and "downloaded" in done.stdout
+    again = run_cli("oci", "--source", source, "--cache-dir", str(cache), "--plain-http")
+    assert again.returncode == 0 and "already in the cache" in again.stdout
+    # The init container waits for exactly this marker.
+    waited = run_cli("wait", "--source", source, "--cache-dir", str(cache), "--timeout", "5")
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+
+
+HOSTILE = {
+    "symlink": [(tar_gz(both(member("weights/"), member("weights/evil", tarfile.SYMTYPE, link="/etc/passwd"))), DIR,
+                 {TITLE: "weights"})],
+    "hard link": [(tar_gz(both(member("weights/a"), member("weights/b", tarfile.LNKTYPE, link="weights/a"))), DIR,
+                   {TITLE: "weights"})],
+    "device": [(tar_gz(member("weights/null", tarfile.CHRTYPE)), DIR, {TITLE: "weights"})],
+    "fifo": [(tar_gz(member("weights/pipe", tarfile.FIFOTYPE)), DIR, {TITLE: "weights"})],
+    "dot-dot in the archive": [(tar_gz(member("weights/../../escape")), DIR, {TITLE: "weights"})],
+    "absolute in the archive": [(tar_gz(member("/tmp/escape")), DIR, {TITLE: "weights"})],
+    "outside its title": [(tar_gz(member("other/file")), DIR, {TITLE: "weights"})],
+    "dot-dot title": [(b"data", FILE, {TITLE: "../escape.bin"})],
+    "absolute title": [(b"data", FILE, {TITLE: "/etc/escape.bin"})],
+    "no title": [(b"data", FILE, {})],
+    "duplicate title": [(b"a", FILE, {TITLE: "x.bin"}), (b"b", FILE, {TITLE: "x.bin"})],
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_artifacts_are_refused_without_a_marker(registry: str, tmp_path: Path, case: str) -> None:  # noqa: F811
+    repo = "hostile/" + case.replace(" ", "-")
+    digest = push_layers(registry, repo, "v1", tmp_path, HOSTILE[case])
+    cache = tmp_path / "cache"
+    model = ModelDir.of(cache, f"oci://{registry}/{repo}@{digest}", None)
+    with pytest.raises(PrewarmError, match="refused"):
+        stage(model, OciStager(plain_http=True), progress_interval=60)
+    assert not model.marker.exists() and not model.final.exists()
+    assert not list(model.parent.glob("*.blobs"))
+    escaped = [p for p in (tmp_path / "escape", tmp_path.parent / "escape", Path("/tmp/escape")) if p.exists()]
+    assert escaped == [] and not Path("/etc/escape.bin").exists()
+
+
+def test_the_command_refuses_a_symlink_with_exit_1_and_says_why(registry: str, tmp_path: Path) -> None:  # noqa: F811
+    digest = push_layers(registry, "hostile/cli", "v1", tmp_path, HOSTILE["symlink"])
+    term = tmp_path / "termination"
+    source = f"oci://{registry}/hostile/cli@{digest}"
+    done = run_cli("oci", "--source", source, "--cache-dir", str(tmp_path / "cache"), "--plain-http",
+                   env={"NOCTAYA_TERMINATION_LOG": str(term)})
+    assert done.returncode == 1 and "symbolic link: refused" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    assert "symbolic link: refused" in term.read_text()
+
+
+def test_a_digest_the_registry_does_not_have_is_refused(registry: str, tmp_path: Path) -> None:  # noqa: F811
+    push_with_oras(registry, "models/granite", "v1", tmp_path)
+    model = ModelDir.of(tmp_path / "cache", f"oci://{registry}/models/granite@sha256:{'0' * 64}", None)
+    with pytest.raises(PrewarmError, match="no manifest with this digest"):
+        stage(model, OciStager(plain_http=True))
+    assert not model.marker.exists()
+
+
+class TamperingProxy:
+    """Forwards to the real registry, changing what it serves: the manifest or a blob."""
+
+    def __init__(self, upstream: str, tamper: Callable[[str, bytes], bytes]) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                r = requests.get(f"http://{upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")},
+                                 timeout=10)
+                body = outer.tamper(self.path, r.content) if r.status_code == 200 else r.content
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.tamper = tamper
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(registry: str) -> Iterator[Callable[[Callable[[str, bytes], bytes]], TamperingProxy]]:  # noqa: F811
+    made: list[TamperingProxy] = []
+
+    def make(tamper: Callable[[str, bytes], bytes]) -> TamperingProxy:
+        made.append(TamperingProxy(registry, tamper))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_a_manifest_that_does_not_match_the_pinned_digest_is_refused(registry: str, proxy, tmp_path: Path) -> None:  # noqa: F811
+    digest = push_with_oras(registry, "models/granite", "v1", tmp_path)
+    mitm = proxy(lambda path, body: body + b" " if "/manifests/" in path else body)
+    model = ModelDir.of(tmp_path / "cache", f"oci://{mitm.address}/models/granite@{digest}", None)
+    with pytest.raises(PrewarmError, match="not the pinned"):
+        stage(model, OciStager(plain_http=True))
+    assert not model.marker.exists() and not model.final.exists()
+
+
+def test_a_blob_that_does_not_match_its_digest_is_refused(registry: str, proxy, tmp_path: Path) -> None:  # noqa: F811
+    digest = push_with_oras(registry, "models/granite", "v1", tmp_path)
+
+    def flip(path: str, body: bytes) -> bytes:
+        return body[:-1] + bytes([body[-1] ^ 1]) if "/blobs/" in path and len(body) > 100 else body
+
+    mitm = proxy(flip)
+    model = ModelDir.of(tmp_path / "cache", f"oci://{mitm.address}/models/granite@{digest}", None)
+    with pytest.raises(PrewarmError, match="does not hash to its digest"):
+        stage(model, OciStager(plain_http=True))
+    assert not model.marker.exists() and not model.final.exists()
+
+
+def test_a_missing_registry_secret_ends_the_job_naming_it(tmp_path: Path) -> None:
+    term = tmp_path / "termination"
+    done = run_cli("oci", "--source", f"oci://registry.example.com/m@sha256:{'1' * 64}", "--cache-dir", str(tmp_path),
+                   env={"NOCTAYA_TERMINATION_LOG": str(term), "NOCTAYA_CREDENTIALS_SECRET": "model-registry",
+                        "NOCTAYA_REGISTRY_CONFIG_FILE": str(tmp_path / "absent" / "config.json")})
+    assert done.returncode == 3
+    assert term.read_text().startswith('Secret "model-registry" not found')
