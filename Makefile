@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test e2e lint demo render crds chart bench clean
+.PHONY: venv test e2e lint demo demo-prewarm render crds chart bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m demo
+
+# Model delivery: a prewarm Job (the rendered one's command) fills a cache from a stand-in hub, then
+# the backend starts from it (see docs/model-delivery.md).
+demo-prewarm: $(STAMP)
+	$(PY) -m demo.prewarm
 
 render: $(STAMP)
 	$(PY) -m hooks render examples/runtimes examples/models

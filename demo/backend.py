@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 MAX_BODY = 1 << 20
 
@@ -41,7 +43,10 @@ def _chunk(model: str, created: int, content: str | None, finish: str | None, ch
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def make_handler(model: EchoModel, ready_at: float, token_delay: float) -> type[BaseHTTPRequestHandler]:
+def make_handler(model: EchoModel, ready_at: float, token_delay: float,
+                 root: str | None = None) -> type[BaseHTTPRequestHandler]:
+    listed = {"id": model.name, "object": "model", "owned_by": "demo", **({"root": root} if root else {})}
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -61,7 +66,8 @@ def make_handler(model: EchoModel, ready_at: float, token_delay: float) -> type[
                 ready = time.monotonic() >= ready_at
                 self._json(200 if ready else 503, {"status": "ok" if ready else "loading"})
             elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "demo"}]})
+                # Like vLLM, `root` says where the weights were loaded from.
+                self._json(200, {"object": "list", "data": [listed]})
             else:
                 self._json(404, {"error": {"message": "not found", "type": "not_found"}})
 
@@ -111,9 +117,26 @@ def make_handler(model: EchoModel, ready_at: float, token_delay: float) -> type[
     return Handler
 
 
-def serve(host: str, port: int, model_name: str, load_seconds: float, token_delay: float) -> ThreadingHTTPServer:
+def load_weights(model_dir: str) -> tuple[int, int]:
+    """Read every file of a model directory the way an engine reads its weights: (files, bytes).
+    A directory without config.json is not a model (an engine would refuse it too)."""
+    root = Path(model_dir)
+    if not (root / "config.json").is_file():
+        raise SystemExit(f"demo backend: {model_dir} has no config.json: not a model directory")
+    files = total = 0
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as fh:
+                while chunk := fh.read(1 << 20):
+                    total += len(chunk)
+            files += 1
+    return files, total
+
+
+def serve(host: str, port: int, model_name: str, load_seconds: float, token_delay: float,
+          root: str | None = None) -> ThreadingHTTPServer:
     """Start the server in a background thread and return it (call `.shutdown()` to stop)."""
-    handler = make_handler(EchoModel(model_name), time.monotonic() + load_seconds, token_delay)
+    handler = make_handler(EchoModel(model_name), time.monotonic() + load_seconds, token_delay, root)
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -127,8 +150,12 @@ def main() -> None:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--load-seconds", type=float, default=3.0, help="time before /health is ready")
     parser.add_argument("--token-delay", type=float, default=0.05, help="seconds between streamed tokens")
+    parser.add_argument("--model-dir", default="", help="load (read) the weights from this directory first")
     args = parser.parse_args()
-    server = serve(args.host, args.port, args.model, args.load_seconds, args.token_delay)
+    if args.model_dir:
+        files, total = load_weights(args.model_dir)
+        print(f"demo backend: loaded {files} files ({total} bytes) from {args.model_dir}", file=sys.stderr, flush=True)
+    server = serve(args.host, args.port, args.model, args.load_seconds, args.token_delay, args.model_dir or None)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

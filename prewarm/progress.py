@@ -50,7 +50,8 @@ class Progress:
     def line(self, done: int, rate: float) -> str:
         pct = f" ({100 * done / self.total:.0f}%)" if self.total else ""
         left = self.total - done
-        eta = f", ETA {self.duration(left / rate)}" if rate > 0 and left > 0 else ""
+        # Not from the first trickle: an ETA of hours while a connection opens says nothing.
+        eta = f", ETA {self.duration(left / rate)}" if rate > 0 and left > 0 and done * 100 >= self.total else ""
         return f"downloaded {self.human(done)} of {self.human(self.total)}{pct}, {self.human(rate)}/s{eta}"
 
     @staticmethod

@@ -43,3 +43,39 @@ def test_demo_scales_from_zero_and_back() -> None:
     positions = [out.find(s) for s in stages]
     assert all(p >= 0 for p in positions), dict(zip(stages, positions, strict=True))
     assert positions == sorted(positions), out
+
+
+@pytest.mark.timeout(240)
+def test_prewarm_demo_fills_the_cache_then_starts_the_backend_from_it() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "demo.prewarm", "--size-mib", "6", "--mib-per-second", "4"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.returncode is None:
+            out, err = proc.communicate()
+    assert proc.returncode == 0, out + err
+    stages = [
+        "child Job/qwen-32b-prewarm-",
+        "condition Ready=False (PrewarmRunning)",
+        "running the Job's command: prewarm hub",
+        "downloaded ",
+        "(100%)",
+        "promoted <cache>/noctaya/hf/Qwen/Qwen2.5-32B-Instruct/main",
+        "marker noctaya/hf/Qwen/Qwen2.5-32B-Instruct/main.ready",
+        "child Deployment/qwen-32b-backend",
+        "condition CacheReady=True (Available)",
+        "init container wait-for-weights",
+        "is in the cache; starting the engine",
+        "HF_HUB_OFFLINE=1, cache readOnly=True, hub token in env: False",
+        "loaded 4 files",
+        "the backend started from the prewarmed cache",
+    ]
+    positions = [out.find(s) for s in stages]
+    assert all(p >= 0 for p in positions), dict(zip(stages, positions, strict=True))
+    assert positions == sorted(positions), out
+    assert "hf_demo_token" not in out + err

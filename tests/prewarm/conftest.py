@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prewarm.fakehub import FakeHub, HubRepo
+from demo.hub import FakeHub, HubRepo
 
 ROOT = Path(__file__).resolve().parents[2]
 MAIN, V1 = "1" * 40, "2" * 40

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from demo.hub import FakeHub
 from prewarm.hub import Listing, PrewarmError, RemoteFile, verify
 from prewarm.layout import LayoutError, ModelDir, revision_key
 from tests.prewarm.conftest import MAIN, MAIN_FILES, SENTINEL, V1, V1_FILES, run_prewarm
-from tests.prewarm.fakehub import FakeHub
 
 SCHEMES = ["hf", "modelscope"]
 

@@ -1,6 +1,9 @@
-"""A Hugging Face hub on 127.0.0.1, speaking the part of its HTTP protocol that `huggingface_hub`
-uses to download a snapshot (repo info, recursive tree, resolve with HEAD + GET and Range), with the
-faults the downloader must survive: a connection dropped mid-file, a wrong token.
+"""A STAND-IN for a model hub on 127.0.0.1, for the prewarm demo and the downloader's tests. It speaks
+the part of the Hugging Face HTTP protocol that `huggingface_hub` uses to download a snapshot (repo
+info, recursive tree, resolve with HEAD + GET and Range) and the part of ModelScope's API that
+`modelscope` uses (file list, file download), with the faults a downloader must survive: a
+connection dropped mid-file, a wrong token, bytes that do not match the listing; and an optional
+bandwidth limit so a download takes long enough to watch.
 
 Repos hold revisions (branch/tag names -> commit), commits hold files. Git blob ids and LFS sha256
 are computed like the hub does, so a client that checks them checks real values."""
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -34,6 +38,7 @@ class FakeHub:
     drops: dict[str, int] = field(default_factory=dict)  # path -> how many more GETs are cut off halfway
     requests: list[str] = field(default_factory=list)
     tamper: dict[str, bytes] = field(default_factory=dict)  # path -> bytes served instead of the listed ones
+    bytes_per_second: float | None = None  # a slow link, for the demo
 
     def __post_init__(self) -> None:
         hub = self
@@ -159,6 +164,12 @@ class FakeHub:
             h.wfile.flush()
             h.close_connection = True
             h.connection.shutdown(2)  # the server goes away mid-file
+            return None
+        if self.bytes_per_second:
+            step = 64 * 1024
+            for i in range(0, len(body), step):
+                h.wfile.write(body[i:i + step])
+                time.sleep(len(body[i:i + step]) / self.bytes_per_second)
             return None
         h.wfile.write(body)
         return None
