@@ -129,9 +129,12 @@ def _credentials_env(service: LLMService, staged: bool) -> list[dict[str, Any]]:
     return [{"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}}]
 
 
-def engine_env(service: LLMService, runtime: InferenceRuntime, staged_model_path: str | None = None) -> list[dict[str, Any]]:
+def engine_env(service: LLMService, runtime: InferenceRuntime, mount: CacheMount | None = None) -> list[dict[str, Any]]:
     spec = runtime.spec
-    cache = spec.cache_mount_path
+    staged_model_path = mount.staged_model_path if mount is not None else None
+    # A read-only cache (a prewarmed SharedPVC) cannot hold the hub clients' own files (remote-code
+    # modules, locks): those go to the container's writable layer instead.
+    cache = "/tmp" if mount is not None and mount.read_only else spec.cache_mount_path
     noctaya = [
         _env("NOCTAYA_MODEL_PATH", staged_model_path or model_path(service, runtime)),
         _env("NOCTAYA_SERVED_NAME", service.served_name),
@@ -247,7 +250,7 @@ def pod_template(
     args = [*spec.args, *service.spec.runtime.args]
     if args:
         container["args"] = args
-    container["env"] = engine_env(service, runtime, cache.staged_model_path)
+    container["env"] = engine_env(service, runtime, cache)
     container["ports"] = ports
     resources = _resources(service, runtime)
     if resources:

@@ -202,6 +202,9 @@ def test_no_serving_container_reads_a_prewarmed_cache_before_the_marker(scenario
     assert env["NOCTAYA_MODEL_PATH"]["value"].startswith(inits[0]["command"][inits[0]["command"].index("--cache-dir") + 1])
     assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in engine["env"]), "a serving Pod got the hub token"
     shared = service["spec"]["cache"]["strategy"] == "SharedPVC"
+    cache_root = inits[0]["command"][inits[0]["command"].index("--cache-dir") + 1]
+    if shared:  # nothing the engine's hub client writes may point into the read-only cache
+        assert not env["HF_HOME"]["value"].startswith(cache_root) and not env["MODELSCOPE_CACHE"]["value"].startswith(cache_root)
     for container in [*inits, *pod_spec["containers"]]:
         for mount in container.get("volumeMounts") or []:
             if mount["name"] == cache_volume and (shared or container is inits[0]):
