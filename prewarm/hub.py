@@ -166,16 +166,17 @@ def verify(target: Path, listing: Listing) -> None:
         if size != remote.size:
             raise PrewarmError(f"{remote.path}: {size} bytes on disk, the hub lists {remote.size}")
         if remote.sha256 is not None:
-            got = _digest(path, hashlib.sha256())
+            got = file_digest(path, hashlib.sha256())
             if got != remote.sha256.lower():
                 raise PrewarmError(f"{remote.path}: sha256 {got} does not match the hub's {remote.sha256}")
         elif remote.git_blob is not None:
-            got = _digest(path, hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False))
+            got = file_digest(path, hashlib.sha1(b"blob %d\0" % size, usedforsecurity=False))
             if got != remote.git_blob.lower():
                 raise PrewarmError(f"{remote.path}: git blob id {got} does not match the hub's {remote.git_blob}")
 
 
-def _digest(path: Path, h: hashlib._Hash) -> str:
+def file_digest(path: Path, h: hashlib._Hash) -> str:
+    """Hex digest of a file's content, read in bounded chunks."""
     with open(path, "rb") as fh:
         while chunk := fh.read(HASH_CHUNK):
             h.update(chunk)

@@ -26,7 +26,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from prewarm.hub import HASH_CHUNK, PrewarmError
+from prewarm.hub import HASH_CHUNK, PrewarmError, file_digest
 from prewarm.layout import ModelDir
 from prewarm.progress import Progress
 
@@ -102,14 +102,6 @@ def _check_tree(root: Path) -> None:
             raise PrewarmError(f"{path.relative_to(root)} is not a regular file: refused")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
 class OciStager:
     def __init__(self, docker_config: str | None = None, plain_http: bool = False) -> None:
         import oras.provider
@@ -159,7 +151,7 @@ class OciStager:
                     fh.write(chunk)
         if out.stat().st_size != size:
             raise PrewarmError(f"blob {digest}: {out.stat().st_size} bytes arrived, the manifest says {size}: refused")
-        if _sha256(out) != digest:
+        if "sha256:" + file_digest(out, hashlib.sha256()) != digest:
             raise PrewarmError(f"blob {digest}: its content does not hash to its digest: refused")
 
 
