@@ -212,6 +212,30 @@ def runtime_rejected() -> tuple[str, dict]:
     return "runtime_status.sync", {"controller": {}, "parent": rt, "children": {}, "related": {}, "finalizing": False}
 
 
+def _prewarmed(job_status: dict[str, Any]) -> tuple[str, dict]:
+    """A SharedPVC prewarm of a gated model, synced once; its Job observed with ``job_status``."""
+    service = h.llmservice(model={"source": "hf://Qwen/Qwen2.5-32B-Instruct", "revision": "v1.1",
+                                  "credentialsSecret": {"name": "hub-token"}},
+                           cache={"strategy": "SharedPVC", "size": "100Gi", "storageClassName": "nfs", "prewarm": True})
+    first = sync.sync(h.sync_request(service), h.config())
+    observed = []
+    for i, child in enumerate(first["children"]):
+        seen = h.as_observed(child, i)
+        if child["kind"] == "Job":
+            seen["status"] = copy.deepcopy(job_status)
+        observed.append(seen)
+    return "sync", h.sync_request({**service, "status": first["status"]}, children=observed)
+
+
+def prewarm_running() -> tuple[str, dict]:
+    return _prewarmed({"active": 1, "startTime": "2026-01-01T00:00:00Z"})
+
+
+def prewarm_staged() -> tuple[str, dict]:
+    return _prewarmed({"succeeded": 1, "startTime": "2026-01-01T00:00:00Z",
+                       "conditions": [{"type": "Complete", "status": "True"}]})
+
+
 CASES: dict[str, Callable[[], tuple[str, dict]]] = {
     "cold-single-gateway": cold_single_gateway,
     "multi-gateway": multi_gateway,
@@ -245,4 +269,6 @@ CASES: dict[str, Callable[[], tuple[str, dict]]] = {
     "customize-by-selector": customize_by_selector,
     "runtime-accepted": runtime_accepted,
     "runtime-rejected": runtime_rejected,
+    "prewarm-running": prewarm_running,
+    "prewarm-staged": prewarm_staged,
 }

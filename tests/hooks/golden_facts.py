@@ -189,6 +189,22 @@ def _runtime(expected: str) -> Callable[[Answer], None]:
     return facts
 
 
+def _prewarm_running(a: Answer) -> None:
+    assert cond(a, "CacheReady") == "Unknown/PrewarmRunning" and cond(a, "Ready") == "False/PrewarmRunning"
+    assert not any(c["kind"] == "Deployment" and c["metadata"]["name"] == "qwen-backend" for c in a["children"])
+    (job,) = [c for c in a["children"] if c["kind"] == "Job"]
+    assert "status" not in job  # kept as last applied
+
+
+def _prewarm_staged(a: Answer) -> None:
+    assert cond(a, "CacheReady") == "True/Available"
+    pod = child(a, "Deployment", "qwen-backend")["spec"]["template"]["spec"]
+    assert pod["initContainers"][0]["name"] == "wait-for-weights"
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["NOCTAYA_MODEL_PATH"].endswith("/noctaya/hf/Qwen/Qwen2.5-32B-Instruct/v1.1") and env["HF_HUB_OFFLINE"] == "1"
+    assert "HF_TOKEN" not in env
+
+
 FACTS: dict[str, Callable[[Answer], None]] = {
     "cold-single-gateway": _cold_single_gateway,
     "multi-gateway": _multi_gateway,
@@ -216,4 +232,6 @@ FACTS: dict[str, Callable[[Answer], None]] = {
     "customize-by-selector": _customize,
     "runtime-accepted": _runtime("True/Accepted"),
     "runtime-rejected": _runtime("False/InvalidSpec"),
+    "prewarm-running": _prewarm_running,
+    "prewarm-staged": _prewarm_staged,
 }
