@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,10 +41,20 @@ def say(who: str, what: str) -> None:
     print(f"[{time.monotonic() - T0:7.3f}s] {who:<10} {what}", flush=True)
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: all held open while they are picked, so none comes twice."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def wait_http(url: str, timeout: float, ok: tuple[int, ...] = (200,)) -> None:
@@ -96,18 +108,37 @@ def sync_request(service: dict, runtime: dict) -> dict:
 
 
 class Processes:
-    """Child processes of the demo; all are stopped on exit."""
+    """Child processes of the demo; all are stopped on exit. Each one's stderr goes to a file (a
+    pipe nobody reads would block a chatty process once its buffer is full), shown when it fails."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.logdir = Path(tempfile.mkdtemp(prefix="noctaya-demo-logs-"))
+        self.logs: dict[int, Path] = {}
 
     def start(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        log = self.logdir / f"{len(self.procs)}-{args[1] if len(args) > 1 else args[0]}.log"
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL,
+                                    stderr=sink)
         self.procs.append(proc)
+        self.logs[proc.pid] = log
         return proc
+
+    def log_tail(self, proc: subprocess.Popen, lines: int = 20) -> str:
+        path = self.logs.get(proc.pid)
+        text = path.read_text(errors="replace") if path is not None and path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, proc: subprocess.Popen, url: str, timeout: float) -> None:
+        """wait_http, saying what the process said if it does not come up."""
+        try:
+            wait_http(url, timeout)
+        except TimeoutError:
+            state = f"exited {proc.returncode}" if proc.poll() is not None else "still running"
+            raise SystemExit(f"{url} did not answer within {timeout}s ({state}); its stderr:\n"
+                             f"{self.log_tail(proc)}") from None
 
     @staticmethod
     def stop(proc: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -122,6 +153,7 @@ class Processes:
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             self.stop(proc)
+        shutil.rmtree(self.logdir, ignore_errors=True)
 
 
 class KedaKubeletStandIn:
@@ -218,8 +250,8 @@ class KedaKubeletStandIn:
 
 def render_through_hooks(procs: Processes, service: dict, runtime: dict) -> dict:
     port = free_port()
-    procs.start(["-m", "hooks", "serve", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
-    wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+    hooks = procs.start(["-m", "hooks", "serve", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
+    procs.wait_ready(hooks, f"http://127.0.0.1:{port}/healthz", timeout=30)
     say("hooks", f"hook server up on :{port}; POST /v1/llmservice/sync for {service['metadata']['name']}")
     resp = requests.post(f"http://127.0.0.1:{port}/v1/llmservice/sync", json=sync_request(service, runtime), timeout=10)
     resp.raise_for_status()
@@ -255,7 +287,7 @@ def main() -> int:
     try:
         answer = render_through_hooks(procs, service, runtime)
         env = gateway_env(answer)
-        gw_port, scaler_port, backend_port, admin_port = free_port(), free_port(), free_port(), free_port()
+        gw_port, scaler_port, backend_port, admin_port = free_ports(4)
         model = env["NOCTAYA_SERVED_MODEL_NAME"]
         env.update(
             NOCTAYA_LISTEN_PORT=str(gw_port),
@@ -268,8 +300,8 @@ def main() -> int:
         )
         say("gateway", f"starting with the rendered env (backend {env['NOCTAYA_BACKEND_URL']}, "
             f"maxQueue {env['NOCTAYA_MAX_QUEUE']}, mode {env['NOCTAYA_COLD_MODE']})")
-        procs.start(["-m", "gateway"], env=env)
-        wait_http(f"http://127.0.0.1:{gw_port}/healthz", timeout=30)
+        gateway = procs.start(["-m", "gateway"], env=env)
+        procs.wait_ready(gateway, f"http://127.0.0.1:{gw_port}/healthz", timeout=30)
         standin = KedaKubeletStandIn(procs, f"127.0.0.1:{scaler_port}", backend_port, model,
                                      cooldown=args.cooldown, poll=1.0, load_seconds=args.load_seconds)
         standin.start()

@@ -31,7 +31,7 @@ from typing import Any
 
 import requests
 
-from demo.__main__ import ROOT, Processes, first_doc, free_port, say, sync_request, wait_http
+from demo.__main__ import ROOT, Processes, first_doc, free_port, say, sync_request
 from demo.hub import FakeHub, HubRepo
 
 EXAMPLE_MODEL = ROOT / "examples" / "models" / "sharedpvc-prewarm.yaml"
@@ -117,9 +117,9 @@ def main() -> int:
             say("hub", f"stand-in hub on {hub.url} holds {repo_id} ({args.size_mib:.0f} MiB at "
                 f"{args.mib_per_second:.0f} MiB/s)")
             port = free_port()
-            procs.start(["-m", "hooks", "serve", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
+            server = procs.start(["-m", "hooks", "serve", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
             hooks = f"http://127.0.0.1:{port}"
-            wait_http(f"{hooks}/healthz", timeout=30)
+            procs.wait_ready(server, f"{hooks}/healthz", timeout=30)
             say("hooks", f"POST /v1/llmservice/sync for {service['metadata']['name']} (cache.prewarm: true)")
             first = sync(hooks, service, runtime)
             show(first)
@@ -185,10 +185,9 @@ def main() -> int:
             engine = procs.start(["-m", "demo.backend", "--port", str(backend_port), "--model", "qwen-32b",
                                   "--load-seconds", "0.5", "--model-dir", model_path],
                                  env={"HF_HUB_OFFLINE": "1"})
-            wait_http(f"http://127.0.0.1:{backend_port}/health", timeout=60)
-            assert engine.stderr is not None
-            say("engine", engine.stderr.readline().decode().strip().removeprefix("demo backend: ")
-                .replace(str(cache_dir), "<cache>"))
+            procs.wait_ready(engine, f"http://127.0.0.1:{backend_port}/health", timeout=60)
+            loaded = next(line for line in procs.log_tail(engine).splitlines() if line.startswith("demo backend: "))
+            say("engine", loaded.removeprefix("demo backend: ").replace(str(cache_dir), "<cache>"))
             listed = requests.get(f"http://127.0.0.1:{backend_port}/v1/models", timeout=5).json()["data"][0]
             say("engine", f"Ready; /v1/models → {listed['id']} from {listed['root'][len(str(cache_dir)):]} in the cache")
             say("demo", "the backend started from the prewarmed cache, offline, without the hub token")
