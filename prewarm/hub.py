@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prewarm.layout import ModelDir
+from prewarm.layout import LayoutError, ModelDir, check_regular_tree, safe_relative_path
 from prewarm.progress import Progress
 
 log = logging.getLogger("noctaya.prewarm")
@@ -200,6 +200,11 @@ def prewarm(model: ModelDir, client: HubClient | None = None, progress_interval:
         raise _failure(model, client, exc, "listing the repository") from None
     if not listing.files:
         raise PrewarmError(f"{model.source}@{model.revision}: the hub lists no files")
+    try:
+        for remote in listing.files:  # a listing is input from the network: it names files inside the target only
+            safe_relative_path(remote.path, "listed file")
+    except LayoutError as exc:
+        raise PrewarmError(f"{model.source}@{model.revision}: {exc}") from None
     pinned = listing.resolved or model.revision
     log.info("downloading %s@%s%s: %d files, %s", model.source, model.revision,
              f" (commit {listing.resolved})" if listing.resolved and listing.resolved != model.revision else "",
@@ -211,6 +216,10 @@ def prewarm(model: ModelDir, client: HubClient | None = None, progress_interval:
         except Exception as exc:
             raise _failure(model, client, exc, "downloading") from None
     verify(model.partial, listing)
+    try:
+        check_regular_tree(model.partial)  # what the client wrote: regular files and directories only
+    except LayoutError as exc:
+        raise PrewarmError(f"{model.source}@{model.revision}: {exc}") from None
     marker = {"resolved": listing.resolved, "files": len(listing.files), "bytes": listing.total_bytes}
     model.promote(marker)
     log.info("promoted %s and wrote %s: %d files, %s", model.final, model.marker.name, len(listing.files),

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 ROOT = "noctaya"
@@ -122,6 +122,28 @@ class ModelDir:
         os.replace(self.partial, self.final)
         _fsync_dir(self.parent)
         write_json_atomically(self.marker, {"source": self.source, "revision": self.revision, **marker})
+
+
+def safe_relative_path(name: str, what: str) -> PurePosixPath:
+    """A relative path that stays inside its directory, or LayoutError."""
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or name.startswith("/"):
+        raise LayoutError(f"{what} {name!r} is an absolute path: refused")
+    if any(part in ("..",) for part in path.parts):
+        raise LayoutError(f"{what} {name!r} leaves the target directory: refused")
+    if "\\" in name or "\0" in name:
+        raise LayoutError(f"{what} {name!r} is not a portable path: refused")
+    parts = [p for p in path.parts if p != "."]
+    if not parts:
+        raise LayoutError(f"{what} {name!r} names no file: refused")
+    return PurePosixPath(*parts)
+
+
+def check_regular_tree(root: Path) -> None:
+    """Nothing but regular files and directories under ``root`` (defence in depth)."""
+    for path in root.rglob("*"):
+        if path.is_symlink() or not (path.is_file() or path.is_dir()):
+            raise LayoutError(f"{path.relative_to(root)} is not a regular file: refused")
 
 
 def write_json_atomically(path: Path, data: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from prewarm.hub import HASH_CHUNK, PrewarmError, file_digest
-from prewarm.layout import ModelDir
+from prewarm.layout import LayoutError, ModelDir, check_regular_tree, safe_relative_path
 from prewarm.progress import Progress
 
 log = logging.getLogger("noctaya.prewarm")
@@ -38,21 +38,6 @@ DIR_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar+gzip"
 MANIFEST_TYPES = ["application/vnd.oci.image.manifest.v1+json", "application/vnd.docker.distribution.manifest.v2+json"]
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_LAYERS = 10_000
-
-
-def _safe_relative(name: str, what: str) -> PurePosixPath:
-    """A relative path that stays inside its directory, or PrewarmError."""
-    path = PurePosixPath(name)
-    if not name or path.is_absolute() or name.startswith("/"):
-        raise PrewarmError(f"{what} {name!r} is an absolute path: refused")
-    if any(part in ("..",) for part in path.parts):
-        raise PrewarmError(f"{what} {name!r} leaves the target directory: refused")
-    if "\\" in name or "\0" in name:
-        raise PrewarmError(f"{what} {name!r} is not a portable path: refused")
-    parts = [p for p in path.parts if p != "."]
-    if not parts:
-        raise PrewarmError(f"{what} {name!r} names no file: refused")
-    return PurePosixPath(*parts)
 
 
 def _inside(root: Path, relative: PurePosixPath) -> Path:
@@ -71,7 +56,7 @@ def extract_layer(archive: Path, root: Path, title: PurePosixPath) -> int:
         for member in tar:
             if member.isdir() and PurePosixPath(member.name).parts in ((), (".",)):
                 continue  # the archive's "./" entry
-            name = _safe_relative(member.name, "archive entry")
+            name = safe_relative_path(member.name, "archive entry")
             if name != title and title not in name.parents:
                 raise PrewarmError(f"archive entry {member.name!r} lies outside its layer's title {str(title)!r}: refused")
             if member.issym() or member.islnk():
@@ -93,13 +78,6 @@ def extract_layer(archive: Path, root: Path, title: PurePosixPath) -> int:
             os.chmod(dest, 0o644)
             files += 1
     return files
-
-
-def _check_tree(root: Path) -> None:
-    """Nothing but regular files and directories under ``root`` (defence in depth)."""
-    for path in root.rglob("*"):
-        if path.is_symlink() or not (path.is_file() or path.is_dir()):
-            raise PrewarmError(f"{path.relative_to(root)} is not a regular file: refused")
 
 
 class OciStager:
@@ -187,7 +165,7 @@ def stage(model: ModelDir, stager: OciStager, progress_interval: float = 10.0) -
             title = (layer.get("annotations") or {}).get(TITLE)
             if not isinstance(title, str):
                 raise PrewarmError(f"{model.source}: layer {digest} has no {TITLE} annotation (a file name): refused")
-            name = _safe_relative(title, "layer title")
+            name = safe_relative_path(title, "layer title")
             if name in titles:
                 raise PrewarmError(f"{model.source}: two layers are titled {title!r}: refused")
             titles.add(name)
@@ -214,9 +192,11 @@ def stage(model: ModelDir, stager: OciStager, progress_interval: float = 10.0) -
                 os.replace(blob, target)
                 os.chmod(target, 0o644)
                 files += 1
-        _check_tree(model.partial)
+        check_regular_tree(model.partial)
     except PrewarmError:
         raise
+    except LayoutError as exc:
+        raise PrewarmError(f"{model.source}: {exc}") from None
     except Exception as exc:  # network, registry protocol, a broken archive
         first = str(exc).splitlines()[0][:300] if str(exc) else ""
         raise PrewarmError(f"{model.source}: staging failed: {type(exc).__name__}: {first}") from None

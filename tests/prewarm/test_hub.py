@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from demo.hub import FakeHub
-from prewarm.hub import Listing, PrewarmError, RemoteFile, verify
+from prewarm.hub import HubClient, Listing, PrewarmError, RemoteFile, prewarm, verify
 from prewarm.layout import LayoutError, ModelDir, revision_key
 from tests.prewarm.conftest import MAIN, MAIN_FILES, SENTINEL, V1, V1_FILES, run_prewarm
 
@@ -148,3 +148,48 @@ def test_revision_keys_are_one_safe_path_component(revision: str, key: str) -> N
 def test_sources_that_cannot_name_a_directory_are_refused(source: str, tmp_path: Path) -> None:
     with pytest.raises(LayoutError):
         ModelDir.of(tmp_path, source, None)
+
+
+class _ListingOnly(HubClient):
+    """A hub client whose listing is whatever the test says (a hostile or broken hub)."""
+
+    scheme = "hf"
+
+    def __init__(self, files: tuple[RemoteFile, ...], write: dict[str, bytes] | None = None) -> None:
+        self.files, self.write = files, write or {}
+        self.downloads = 0
+
+    def listing(self, repo_id: str, revision: str) -> Listing:
+        return Listing("c" * 40, self.files)
+
+    def download(self, repo_id: str, revision: str, target: Path) -> None:
+        self.downloads += 1
+        for name, data in self.write.items():
+            if name == "link":
+                (target / name).symlink_to("/etc/passwd")
+            else:
+                (target / name).write_bytes(data)
+
+    def auth_failure(self, exc: BaseException) -> str | None:
+        return None
+
+
+@pytest.mark.parametrize("path", ["../escape.bin", "/etc/escape.bin", "a/../../escape.bin"])
+def test_a_listing_naming_a_path_outside_the_target_is_refused_before_any_download(tmp_path: Path, path: str) -> None:
+    client = _ListingOnly((RemoteFile(path, 1),))
+    model = ModelDir.of(tmp_path, "hf://org/model", None)
+    with pytest.raises(PrewarmError, match="refused"):
+        prewarm(model, client)
+    assert client.downloads == 0 and not model.marker.exists()
+
+
+def test_a_symlink_left_by_the_client_is_never_promoted(tmp_path: Path) -> None:
+    import hashlib
+
+    data = b"weights"
+    client = _ListingOnly((RemoteFile("w.bin", len(data), sha256=hashlib.sha256(data).hexdigest()),),
+                          {"w.bin": data, "link": b""})
+    model = ModelDir.of(tmp_path, "hf://org/model", None)
+    with pytest.raises(PrewarmError, match="not a regular file"):
+        prewarm(model, client)
+    assert not model.marker.exists() and not model.final.exists()
