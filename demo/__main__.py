@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -41,13 +42,35 @@ def say(who: str, what: str) -> None:
     print(f"[{time.monotonic() - T0:7.3f}s] {who:<10} {what}", flush=True)
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports: all held open while they are picked, so none comes twice."""
-    socks = [socket.socket() for _ in range(count)]
+def _ephemeral_low() -> int:
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports, all held open while they are picked (so none comes twice), from
+    below the kernel's ephemeral range: a port the kernel hands out for port 0 is also what it gives
+    outgoing connections, and one of those (a health poll, say) can take it between the pick and the
+    listener's bind (EADDRINUSE)."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(2000):
+            if len(socks) == count:
+                return [s.getsockname()[1] for s in socks]
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", rng.randrange(low, high)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        raise RuntimeError(f"no {count} free ports between {low} and {high}")
     finally:
         for s in socks:
             s.close()
