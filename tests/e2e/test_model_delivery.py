@@ -88,7 +88,11 @@ def test_the_backend_waits_for_the_prewarm_job_and_rolls_only_when_a_new_revisio
     cluster.kubectl("apply", "--server-side", "-f", "-", stdin=manifest("v1"))
     wait("the prewarm Job is created and no backend", lambda: len(jobs(cluster)) == 1)
     assert cluster.get("deployment", f"{NAME}-backend", NS) is None, timeline.text()
-    assert conditions(cluster.get("llmservice", NAME, NS)).get("CacheReady") == "Unknown/PrewarmRunning", timeline.text()
+    # Metacontroller writes the status after it created the children: wait for it (kwok's "download"
+    # takes 4 s, far longer than that).
+    wait("CacheReady=Unknown/PrewarmRunning while the Job runs",
+         lambda: conditions(cluster.get("llmservice", NAME, NS)).get("CacheReady") == "Unknown/PrewarmRunning", 30)
+    assert cluster.get("deployment", f"{NAME}-backend", NS) is None, timeline.text()
     (first,) = jobs(cluster)
     pod = first["spec"]["template"]["spec"]
     assert pod["containers"][0]["command"][:4] == ["python", "-m", "prewarm", "hub"]
