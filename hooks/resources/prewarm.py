@@ -83,11 +83,10 @@ def _credentials(ctx: RenderContext) -> list[dict[str, Any]]:
         # given so a missing Secret is reported by name (scaler.secretfiles).
         return [_env("NOCTAYA_CREDENTIALS_SECRET", cred.name),
                 _env("NOCTAYA_REGISTRY_CONFIG_FILE", f"{REGISTRY_DIR}/{REGISTRY_CONFIG}")]
-    var = "HF_TOKEN" if scheme == "hf" else "MODELSCOPE_API_TOKEN"
     return [
         # The name only, for error messages; the value comes from the Secret, never from args.
         _env("NOCTAYA_CREDENTIALS_SECRET", cred.name),
-        {"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}},
+        pod.hub_token_env(ctx.service),
     ]
 
 

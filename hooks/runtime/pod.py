@@ -125,8 +125,15 @@ def _credentials_env(service: LLMService, staged: bool) -> list[dict[str, Any]]:
     source = service.spec.model.parsed
     if cred is None or not source.is_hub or staged:
         return []
-    var = "HF_TOKEN" if source.scheme == "hf" else "MODELSCOPE_API_TOKEN"
-    return [{"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}}]
+    return [hub_token_env(service)]
+
+
+def hub_token_env(service: LLMService) -> dict[str, Any]:
+    """The hub token variable the hub's client reads, projected from model.credentialsSecret."""
+    cred = service.spec.model.credentials_secret
+    assert cred is not None
+    var = "HF_TOKEN" if service.spec.model.parsed.scheme == "hf" else "MODELSCOPE_API_TOKEN"
+    return {"name": var, "valueFrom": {"secretKeyRef": {"name": cred.name, "key": cred.key or "token"}}}
 
 
 def engine_env(service: LLMService, runtime: InferenceRuntime, mount: CacheMount | None = None) -> list[dict[str, Any]]:
