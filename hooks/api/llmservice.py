@@ -412,7 +412,10 @@ class LLMService(ApiModel):
             PrinterColumn("Runtime", ".status.runtime"),
             PrinterColumn("Replicas", ".status.replicas", type="integer"),
             PrinterColumn("Ready", '.status.conditions[?(@.type=="Ready")].status'),
-            PrinterColumn("Endpoint", ".status.endpoint"),
+            PrinterColumn("Phase", ".status.phase"),
+            PrinterColumn("Since", ".status.phaseSince", type="date"),
+            PrinterColumn("Last Cold Start", ".status.lastColdStart.total"),
+            PrinterColumn("Endpoint", ".status.endpoint", priority=1),
             PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
         ),
     )

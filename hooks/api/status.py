@@ -78,6 +78,29 @@ class Condition(_StatusModel):
 _CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 
 
+BackendPhase = Literal["ScaledToZero", "Scheduling", "Initializing", "PullingImage", "LoadingModel", "NotReady", "Ready"]
+_SECONDS = {"pattern": r"^[0-9]+s$"}
+
+
+class ColdStart(_StatusModel):
+    """One start of the backend from nothing serving to a replica Ready, from that Pod's own timestamps."""
+
+    pod: str = Field(description="The backend Pod that became Ready.", max_length=253)
+    started_at: str = Field(description="When the Pod was created (RFC 3339).", json_schema_extra={"format": "date-time"})
+    ready_at: str = Field(description="When it became Ready (RFC 3339).", json_schema_extra={"format": "date-time"})
+    scheduling: str = Field(description="Created until bound to a node (a free accelerator node, the node autoscaler).",
+                            json_schema_extra=_SECONDS)
+    initialization: str = Field(description="Bound until init containers finished, without the weights wait "
+                                "(init images and other init containers).", json_schema_extra=_SECONDS)
+    weights_wait: str = Field(description="The wait-for-weights init container (a prewarm Job still staging).",
+                              json_schema_extra=_SECONDS)
+    image_pull: str = Field(description="Init done until the serving container started (pulling the serving image).",
+                            json_schema_extra=_SECONDS)
+    model_load: str = Field(description="Serving container started until Ready (the engine loading weights).",
+                            json_schema_extra=_SECONDS)
+    total: str = Field(description="Created until Ready.", json_schema_extra=_SECONDS)
+
+
 class LLMServiceStatus(_StatusModel):
     """What Noctaya observed and decided for one LLMService."""
 
@@ -86,6 +109,18 @@ class LLMServiceStatus(_StatusModel):
     endpoint: str | None = Field(default=None, description="In-cluster OpenAI-compatible base URL of the gateway.")
     replicas: int | None = Field(default=None, description="Backend replicas (as KEDA set them).")
     ready_replicas: int | None = Field(default=None, description="Backend replicas that pass readiness.")
+    phase: BackendPhase | None = Field(
+        default=None,
+        description="Where the backend is: ScaledToZero, Scheduling, Initializing, PullingImage, LoadingModel, "
+        "NotReady (served, then lost readiness) or Ready; while waking, the most advanced Pod's phase.",
+    )
+    phase_since: str | None = Field(
+        default=None, description="When the backend entered this phase (RFC 3339, from the Pod's own timestamps).",
+        json_schema_extra={"format": "date-time"},
+    )
+    last_cold_start: ColdStart | None = Field(
+        default=None, description="The most recent start from nothing serving to a Ready replica, per phase."
+    )
     conditions: list[Condition] = Field(
         default_factory=list, description="Current conditions.", json_schema_extra=_CONDITION_LIST
     )

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from hooks.api.llmservice import LLMService
 from hooks.api.status import ConditionType, Reason
 from hooks.config import HookConfig, resolve
+from hooks.controller import coldstart
 from hooks.controller import observe as obs
 from hooks.controller import status as st
 from hooks.errors import describe_validation_error
@@ -340,7 +341,8 @@ def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, c
     if ConditionType.READY not in out.conditions:
         out.put(st.ready_condition(out.conditions, endpoint))
     generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
-    _desired, current, ready = st.deployment_counts(observed_deployment(observed, names.backend(name)))
+    deployment = observed_deployment(observed, names.backend(name))
+    desired, current, ready = st.deployment_counts(deployment)
     status: dict[str, Any] = {}
     if generation is not None:
         status["observedGeneration"] = generation
@@ -349,6 +351,8 @@ def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, c
     status["endpoint"] = endpoint
     status["replicas"] = current
     status["readyReplicas"] = ready
+    status.update(coldstart.timeline(None if deployment is None else desired, observed.live_pods(), parent.get("status"),
+                                     config.clock))
     status["conditions"] = st.wire_conditions(out.conditions.values(), parent.get("status"), generation, config.clock)
     return status
 

@@ -166,20 +166,27 @@ def pod(name: str, *, scheduled: bool = True, waiting: str | None = None, last_t
     if waiting:
         cs["state"] = {"waiting": {"reason": waiting, "message": message}}
     elif ready:
-        cs["state"] = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
+        cs["state"] = {"running": {"startedAt": "2026-01-01T00:00:40Z"}}
     if last_terminated:
-        cs["lastState"] = {"terminated": {"reason": last_terminated, "exitCode": 137}}
+        cs["lastState"] = {"terminated": {"reason": last_terminated, "exitCode": 137, "finishedAt": "2026-01-01T00:00:50Z"}}
         if terminated_message:
             cs["lastState"]["terminated"]["message"] = terminated_message
-    conditions = []
+    # A start as the kubelet reports it: created 00:00, bound 00:02, initialized 00:03, engine started
+    # 00:40 (image pulled), Ready 01:30 (model loaded).
+    conditions: list[dict[str, Any]] = []
     if not scheduled:
         conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."})
+    else:
+        conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-01-01T00:00:02Z"})
+        conditions.append({"type": "Initialized", "status": "True", "lastTransitionTime": "2026-01-01T00:00:03Z"})
+        conditions.append({"type": "Ready", "status": "True" if ready else "False",
+                           "lastTransitionTime": "2026-01-01T00:01:30Z" if ready else "2026-01-01T00:00:03Z"})
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": NAMESPACE, "labels": {"serving.noctaya.io/llmservice": service,
-                                                                      "serving.noctaya.io/component": component}},
+        "metadata": {"name": name, "namespace": NAMESPACE, "creationTimestamp": "2026-01-01T00:00:00Z",
+                     "labels": {"serving.noctaya.io/llmservice": service, "serving.noctaya.io/component": component}},
         "status": {"phase": "Pending" if not ready else "Running", "conditions": conditions,
                    "containerStatuses": [cs] if scheduled else []},
     }

@@ -127,8 +127,12 @@ def test_names_scope_and_versions(crds: dict[str, dict[str, Any]]) -> None:
 
 def test_llmservice_printer_columns(crds: dict[str, dict[str, Any]]) -> None:
     columns = crds[LLM_FILE]["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in columns] == ["Runtime", "Replicas", "Ready", "Endpoint", "Age"]
+    assert [c["name"] for c in columns] == ["Runtime", "Replicas", "Ready", "Phase", "Since", "Last Cold Start", "Endpoint", "Age"]
     by_name = {c["name"]: c for c in columns}
+    # SINCE is a timestamp kubectl shows as an age: status never carries an elapsed count.
+    assert by_name["Since"] == {"name": "Since", "type": "date", "jsonPath": ".status.phaseSince"}
+    assert by_name["Last Cold Start"]["jsonPath"] == ".status.lastColdStart.total"
+    assert by_name["Endpoint"]["priority"] == 1  # -o wide: the new columns keep the default view narrow
     assert by_name["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
     assert by_name["Replicas"]["type"] == "integer" and by_name["Age"]["type"] == "date"
 

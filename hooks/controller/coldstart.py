@@ -1,0 +1,231 @@
+"""Where a cold start's time goes, read from the backend Pods Metacontroller already relates.
+
+Two things land in the LLMService status:
+
+- the live `phase` of the backend and `phaseSince`, a timestamp (kubectl shows it as an age);
+- `lastColdStart`, the most recent start from "nothing serving" to "a replica Ready", broken down
+  into scheduling, initialization, the wait for staged weights, the serving image's pull and the
+  model load.
+
+Every value is a timestamp the Pod itself carries (creation, condition transitions, container
+start and finish) or carried over from the previous status, never "now" minus something: a resync
+of an unchanged world must produce the same bytes, or Metacontroller syncs in a loop.
+
+Pod phases, in the order a Pod passes through them:
+
+    Scheduling    created, not bound to a node          since metadata.creationTimestamp
+    Initializing  bound; init containers running        since PodScheduled's lastTransitionTime
+                  (incl. wait-for-weights)
+    PullingImage  init done; serving container not      since Initialized's lastTransitionTime
+                  started (the kubelet pulls its image)
+    LoadingModel  serving container running, the Pod    since the container's startedAt
+                  not yet Ready (or restarting after    (or its last finishedAt)
+                  it exited)
+    NotReady      was Ready, lost readiness while the   since Ready's lastTransitionTime
+                  container kept running (not a start)
+    Ready         passes readiness                       since Ready's lastTransitionTime
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from hooks.resources.prewarm import WAIT_CONTAINER
+from hooks.runtime.pod import CONTAINER_NAME
+
+_NEVER = datetime.max.replace(tzinfo=UTC)
+
+
+class Phase(StrEnum):
+    SCALED_TO_ZERO = "ScaledToZero"
+    SCHEDULING = "Scheduling"
+    INITIALIZING = "Initializing"
+    PULLING_IMAGE = "PullingImage"
+    LOADING_MODEL = "LoadingModel"
+    NOT_READY = "NotReady"
+    READY = "Ready"
+
+
+# How far along a Pod is: the service shows its most advanced Pod while none is Ready.
+_PROGRESS = (Phase.SCHEDULING, Phase.INITIALIZING, Phase.PULLING_IMAGE, Phase.LOADING_MODEL, Phase.NOT_READY, Phase.READY)
+# A Pod becoming Ready after one of these is a cold start worth recording (NotReady → Ready is a
+# recovery of a Pod that already served, and Ready → Ready a scale-out: neither is a cold start).
+WAKING = frozenset({Phase.SCALED_TO_ZERO, Phase.SCHEDULING, Phase.INITIALIZING, Phase.PULLING_IMAGE, Phase.LOADING_MODEL})
+
+
+@dataclass(frozen=True)
+class PodPhase:
+    phase: Phase
+    since: str | None  # RFC 3339, as the Pod carries it
+    pod: str
+
+
+def _time(value: Any) -> datetime | None:
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _conditions(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return {c["type"]: c for c in conds if isinstance(c, dict) and isinstance(c.get("type"), str)}
+
+
+def _true_since(conds: dict[str, dict[str, Any]], ctype: str) -> str | None:
+    c = conds.get(ctype)
+    if c is None or c.get("status") != "True":
+        return None
+    when = c.get("lastTransitionTime")
+    return when if isinstance(when, str) and when else None
+
+
+def _serving_status(pod: dict[str, Any]) -> dict[str, Any]:
+    statuses = [s for s in (pod.get("status") or {}).get("containerStatuses") or [] if isinstance(s, dict)]
+    for s in statuses:
+        if s.get("name") == CONTAINER_NAME:
+            return s
+    return statuses[0] if statuses else {}
+
+
+def _name(pod: dict[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name", ""))
+
+
+def pod_phase(pod: dict[str, Any]) -> PodPhase:
+    """The phase one backend Pod is in, and since when (by its own timestamps)."""
+    name = _name(pod)
+    conds = _conditions(pod)
+    ready = _true_since(conds, "Ready")
+    if ready is not None:
+        return PodPhase(Phase.READY, ready, name)
+    running = ((_serving_status(pod).get("state") or {}).get("running") or {}).get("startedAt")
+    if isinstance(running, str) and running:
+        # Ready went False after the container started: it served and lost readiness (an overloaded
+        # engine, a failing probe). A fresh or restarted container started after Ready last changed.
+        unready_at = _time((conds.get("Ready") or {}).get("lastTransitionTime"))
+        started = _time(running)
+        if unready_at is not None and started is not None and unready_at > started:
+            return PodPhase(Phase.NOT_READY, conds["Ready"]["lastTransitionTime"], name)
+        return PodPhase(Phase.LOADING_MODEL, running, name)
+    initialized = _true_since(conds, "Initialized")
+    ended = (((_serving_status(pod).get("lastState") or {}).get("terminated")) or {}).get("finishedAt")
+    if initialized is not None and isinstance(ended, str) and ended:
+        # The engine ran and exited (a crash, an OOM kill): the kubelet restarts it to load again.
+        return PodPhase(Phase.LOADING_MODEL, ended, name)
+    if initialized is not None:
+        return PodPhase(Phase.PULLING_IMAGE, initialized, name)
+    scheduled = _true_since(conds, "PodScheduled")
+    if scheduled is not None:
+        return PodPhase(Phase.INITIALIZING, scheduled, name)
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    return PodPhase(Phase.SCHEDULING, created if isinstance(created, str) and created else None, name)
+
+
+def _live(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+
+
+def service_phase(desired_replicas: int | None, pods: Iterable[dict[str, Any]]) -> PodPhase | None:
+    """The backend's phase as a whole (None without a backend Deployment).
+
+    Ready as soon as one Pod is (since the earliest of them); otherwise the most advanced Pod's
+    phase; with no Pod, ScaledToZero or (asked for, not yet created) Scheduling. Pods being deleted
+    no longer count: they are draining, not serving new work.
+    """
+    if desired_replicas is None:
+        return None
+    phases = [pod_phase(p) for p in _live(pods)]
+    if not phases:
+        return PodPhase(Phase.SCALED_TO_ZERO if desired_replicas == 0 else Phase.SCHEDULING, None, "")
+    ready = [p for p in phases if p.phase == Phase.READY]
+    if ready:
+        return min(ready, key=lambda p: (_time(p.since) or _NEVER, p.pod))
+    # Most advanced first; between equals the one that got there first (then by name): stable.
+    return min(phases, key=lambda p: (-_PROGRESS.index(p.phase), _time(p.since) or _NEVER, p.pod))
+
+
+def seconds(start: Any, end: Any) -> int | None:
+    a, b = _time(start), _time(end)
+    if a is None or b is None:
+        return None
+    return max(0, round((b - a).total_seconds()))  # clocks of different components: never negative
+
+
+def _fmt(value: int) -> str:
+    return f"{value}s"
+
+
+def cold_start(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The breakdown of one Pod's start (None when the Pod lacks a timestamp it needs).
+
+    scheduling      created → bound
+    initialization  bound → init containers done, minus the weights wait (init images, other init containers)
+    weightsWait     the wait-for-weights init container's run (a prewarm Job staging the model)
+    imagePull       init done → serving container started (the kubelet pulls the serving image)
+    modelLoad       serving container started → Ready
+    total           created → Ready
+    """
+    meta = pod.get("metadata") or {}
+    conds = _conditions(pod)
+    created = meta.get("creationTimestamp")
+    scheduled = _true_since(conds, "PodScheduled")
+    initialized = _true_since(conds, "Initialized")
+    ready = _true_since(conds, "Ready")
+    started = ((_serving_status(pod).get("state") or {}).get("running") or {}).get("startedAt")
+    total = seconds(created, ready)
+    spans = [seconds(created, scheduled), seconds(scheduled, initialized), seconds(initialized, started), seconds(started, ready)]
+    if total is None or any(s is None for s in spans):
+        return None
+    scheduling, init, pull, load = (int(s) for s in spans)  # type: ignore[arg-type]
+    wait = 0
+    for s in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if isinstance(s, dict) and s.get("name") == WAIT_CONTAINER:
+            done = (s.get("state") or {}).get("terminated") or {}
+            wait = seconds(done.get("startedAt"), done.get("finishedAt")) or 0
+    wait = min(wait, init)
+    return {
+        "pod": _name(pod),
+        "startedAt": created,
+        "readyAt": ready,
+        "scheduling": _fmt(scheduling),
+        "initialization": _fmt(init - wait),
+        "weightsWait": _fmt(wait),
+        "imagePull": _fmt(pull),
+        "modelLoad": _fmt(load),
+        "total": _fmt(total),
+    }
+
+
+def timeline(
+    desired_replicas: int | None,
+    pods: list[dict[str, Any]],
+    previous_status: Any,
+    clock: Callable[[], str],
+) -> dict[str, Any]:
+    """`phase`, `phaseSince` and `lastColdStart` for the status (keys absent when unknown)."""
+    previous = previous_status if isinstance(previous_status, dict) else {}
+    out: dict[str, Any] = {}
+    record = previous.get("lastColdStart") if isinstance(previous.get("lastColdStart"), dict) else None
+    now = service_phase(desired_replicas, pods)
+    if now is not None:
+        since = now.since
+        if since is None:
+            # Nothing on a Pod says when (scaled to zero, or no Pod created yet): keep the time this
+            # phase was first seen; the clock is read only when the phase changed.
+            kept = previous.get("phaseSince")
+            since = kept if previous.get("phase") == now.phase and isinstance(kept, str) else clock()
+        out["phase"] = str(now.phase)
+        out["phaseSince"] = since
+        if now.phase == Phase.READY and previous.get("phase") in WAKING and (record or {}).get("pod") != now.pod:
+            pod = next(p for p in _live(pods) if _name(p) == now.pod)
+            record = cold_start(pod) or record
+    if record is not None:
+        out["lastColdStart"] = record
+    return out
