@@ -60,6 +60,12 @@ class Activation:
         )
         self.withdrawn = False
         self.aborted = False  # set when the drain grace ends: every cold waiter answers at once
+        # Timing one activation of the Pod (only the worker that claimed it, so each activation is
+        # observed once however many workers admitted cold requests): when it began, and when this
+        # worker saw the backend Ready while the first held answer is still to be forwarded.
+        self._timing: float | None = None
+        self._ready_at: float | None = None
+        self._stale_after = activation_timeout + ready_grace
 
     # -- questions -------------------------------------------------------------------------
     @property
@@ -81,7 +87,12 @@ class Activation:
     # -- transitions -----------------------------------------------------------------------
     def cold_admission(self) -> float:
         """A request found the backend not ready: start/extend the lease; returns its deadline."""
-        deadline = self.lease.cold_admission(self.clock())
+        now = self.clock()
+        if self.lease.state is LeaseState.IDLE:  # a new activation (as far as this worker knows)
+            self._ready_at = None
+            if self._timing is None and self.pod.claim_activation(now, self._stale_after):
+                self._timing = now
+        deadline = self.lease.cold_admission(now)
         self.metrics.cold_requests.inc()
         self.publish()
         self.prober.hurry()
@@ -95,6 +106,7 @@ class Activation:
         now = self.clock()
         if self.readiness.record(result, now):
             if self.readiness.ready:
+                self._activation_ready(now)
                 duration = self.lease.backend_ready(now)
                 if duration is not None:
                     self.metrics.activation_duration.observe(duration)
@@ -113,8 +125,38 @@ class Activation:
         self.report_probe(ProbeResult.REFUSED)
         self.prober.hurry()
 
+    def _activation_ready(self, now: float) -> None:
+        started = self._timing
+        if started is None:
+            return
+        self._observe_push(started)
+        pushed = self.pod.pushed_at
+        if pushed >= started:
+            self.metrics.phases["push_to_ready"].observe(max(0.0, now - pushed))
+        self._ready_at = now
+        self._end_timing()
+
+    def _observe_push(self, started: float) -> None:
+        pushed = self.pod.pushed_at
+        if pushed >= started:  # else the demand never had to be pushed (another path woke the backend)
+            self.metrics.phases["admission_to_push"].observe(pushed - started)
+
+    def _end_timing(self) -> None:
+        if self._timing is not None:
+            self.pod.release_activation(self._timing)
+            self._timing = None
+
+    def first_byte_forwarded(self, now: float) -> None:
+        """A held (cold) request's first answer byte left the gateway."""
+        if self._ready_at is not None:
+            self.metrics.phases["ready_to_first_byte"].observe(max(0.0, now - self._ready_at))
+            self._ready_at = None
+
     def tick(self, now: float | None = None) -> None:
         end = self.lease.tick(self.clock() if now is None else now)
+        if end is not None and self._timing is not None:  # ended without Ready: nothing more to time
+            self._observe_push(self._timing)
+            self._end_timing()
         if end is LeaseEnd.TIMED_OUT:
             log.warning("activation lease timed out without a ready backend")
         elif end is LeaseEnd.COMPLETED:

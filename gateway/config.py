@@ -50,6 +50,7 @@ class GatewayConfig:
     scaler_tls_cert_file: str | None = None
     scaler_tls_key_file: str | None = None
     scaler_tls_ca_file: str | None = None
+    backend_accelerators: int = 0
     # Extensions (documented in docs/architecture.md; defaults suit production).
     probe_interval_seconds: float = 0.1
     probe_timeout_seconds: float = 1.0
@@ -187,6 +188,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "scaler_tls_cert_file": _text,
     "scaler_tls_key_file": _text,
     "scaler_tls_ca_file": _text,
+    "backend_accelerators": _nonneg_int,
     "probe_interval_seconds": _probe_interval,
     "probe_timeout_seconds": _pos_float,
     "upstream_connect_timeout_seconds": _pos_float,
@@ -207,6 +209,7 @@ _HELP = {
     "auth_key_file": "client API key file (mounted Secret key), reread per request; unset = no auth",
     "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
     "aggregator_ca_file": "CA that verifies the aggregator's certificate (its URL must then be https://)",
+    "backend_accelerators": "accelerators one backend replica requests; exported for accelerator-hours",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
 }
 

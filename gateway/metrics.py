@@ -35,6 +35,14 @@ REJECTION_REASONS = (
 )
 ACTIVATION_BUCKETS = (1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900)
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Phases of one activation of the Pod, in order (label `phase`): the first cold admission until the
+# demand reached KEDA (or the aggregator), then until this Pod saw the backend Ready, then until the
+# first byte of a held request's answer was forwarded.
+ACTIVATION_PHASES = ("admission_to_push", "push_to_ready", "ready_to_first_byte")
+PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600, 900)
+# Time to first token as the client saw it: both a warm answer (milliseconds) and a cold one (minutes).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600, 900)
+TTFT_STARTS = ("warm", "cold")
 
 # Cell offsets inside a worker's row (after the demand fields).
 _CODES = METRIC_CELLS  # 600 cells: requests by status code 0..599 (0 = out of range)
@@ -42,7 +50,11 @@ _REASONS = _CODES + 600
 _COLD = _REASONS + 16
 _ACTIVATION = _COLD + 8
 _TTFB = _ACTIVATION + len(ACTIVATION_BUCKETS) + 4
-_END = _TTFB + len(TTFB_BUCKETS) + 4
+_PHASES = _TTFB + len(TTFB_BUCKETS) + 4
+_PHASE_STRIDE = len(PHASE_BUCKETS) + 4
+_TTFT = _PHASES + len(ACTIVATION_PHASES) * _PHASE_STRIDE
+_TTFT_STRIDE = len(TTFT_BUCKETS) + 4
+_END = _TTFT + len(TTFT_STARTS) * _TTFT_STRIDE
 assert _END <= ROW_CELLS
 
 
@@ -84,7 +96,7 @@ class Histogram:
 class GatewayMetrics:
     """This worker's counters, plus a registry whose collector reports the Pod's totals."""
 
-    def __init__(self, pod: PodState | None = None, index: int = 0) -> None:
+    def __init__(self, pod: PodState | None = None, index: int = 0, accelerators: int = 0) -> None:
         self.pod = pod if pod is not None else PodState(1, 1, None)
         self.row = self.pod.row(index)
         cells, base = self.pod.cells, self.row.base
@@ -94,8 +106,12 @@ class GatewayMetrics:
         self.cold_requests = Counter(cells, base + _COLD)
         self.activation_duration = Histogram(cells, base + _ACTIVATION, ACTIVATION_BUCKETS)
         self.ttfb = Histogram(cells, base + _TTFB, TTFB_BUCKETS)
+        self.phases = {phase: Histogram(cells, base + _PHASES + i * _PHASE_STRIDE, PHASE_BUCKETS)
+                       for i, phase in enumerate(ACTIVATION_PHASES)}
+        self.ttft_warm, self.ttft_cold = (Histogram(cells, base + _TTFT + i * _TTFT_STRIDE, TTFT_BUCKETS)
+                                          for i in range(len(TTFT_STARTS)))
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_PodCollector(self.pod))
+        self.registry.register(_PodCollector(self.pod, accelerators))
 
     def count_response(self, code: int) -> None:
         if not 100 <= code <= 599:
@@ -116,16 +132,29 @@ class GatewayMetrics:
 
 
 class _PodCollector:
-    def __init__(self, pod: PodState) -> None:
+    def __init__(self, pod: PodState, accelerators: int) -> None:
         self.pod = pod
+        self.accelerators = accelerators
 
-    def _histogram(self, name: str, doc: str, offset: int, buckets: Sequence[float]) -> HistogramMetricFamily:
+    def _buckets(self, offset: int, buckets: Sequence[float]) -> tuple[list[tuple[str, float]], float]:
         counts = [self.pod.total(offset + i) for i in range(len(buckets) + 1)]
         cumulative, running = [], 0.0
         for bound, count in zip([*map(_fmt, buckets), "+Inf"], counts, strict=True):
             running += count
             cumulative.append((bound, running))
-        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.pod.total(offset + len(buckets) + 1))
+        return cumulative, self.pod.total(offset + len(buckets) + 1)
+
+    def _histogram(self, name: str, doc: str, offset: int, buckets: Sequence[float]) -> HistogramMetricFamily:
+        cumulative, total = self._buckets(offset, buckets)
+        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
+
+    def _labelled(self, name: str, doc: str, label: str, values: Sequence[str], offset: int, stride: int,
+                  buckets: Sequence[float]) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, doc, labels=[label])
+        for i, value in enumerate(values):
+            cumulative, total = self._buckets(offset + i * stride, buckets)
+            family.add_metric([value], cumulative, total)
+        return family
 
     def collect(self) -> Iterator[Metric]:
         pod = self.pod
@@ -158,6 +187,17 @@ class _PodCollector:
                               _ACTIVATION, ACTIVATION_BUCKETS)
         yield self._histogram("noctaya_gateway_time_to_first_byte_seconds",
                               "From the start of forwarding to the backend's response head.", _TTFB, TTFB_BUCKETS)
+        yield self._labelled("noctaya_gateway_activation_phase_seconds",
+                             "One activation of this gateway Pod, per phase: first cold admission to demand pushed "
+                             "active, pushed to backend Ready seen, Ready to the first byte of a held answer forwarded.",
+                             "phase", ACTIVATION_PHASES, _PHASES, _PHASE_STRIDE, PHASE_BUCKETS)
+        yield self._labelled("noctaya_gateway_time_to_first_token_seconds",
+                             "From a request's arrival to the first byte of the backend's answer leaving the gateway "
+                             "(heartbeats excluded); start=cold when it waited for the backend.",
+                             "start", TTFT_STARTS, _TTFT, _TTFT_STRIDE, TTFT_BUCKETS)
+        yield GaugeMetricFamily("noctaya_gateway_backend_accelerators_per_replica",
+                                "Accelerators one backend replica requests (for accelerator-hours).",
+                                value=self.accelerators)
 
 
 def _fmt(bound: float) -> str:

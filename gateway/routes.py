@@ -79,7 +79,7 @@ class GatewayApp:
         self.config = config
         self.clock = clock
         self.pod = pod if pod is not None else PodState(1, config.max_queue, config.max_held_body_bytes)
-        self.metrics = GatewayMetrics(self.pod, worker)
+        self.metrics = GatewayMetrics(self.pod, worker, config.backend_accelerators)
         self.pool = UpstreamPool(
             config.backend_host, config.backend_port,
             connect_timeout=config.upstream_connect_timeout_seconds,
@@ -167,7 +167,9 @@ class GatewayApp:
             return self._error(conn, "too_large", close=True)
         if head.method == b"GET" and (path in ("/v1/models", "/v1/models/") or path.startswith("/v1/models/")):
             return self._models(conn, head, path)
+        conn.received_at = self.clock()
         if self.activation.ready:
+            conn.cold = False
             return self._warm(conn, head)
         return self._cold(conn, head, None, None)
 
@@ -360,6 +362,7 @@ class GatewayApp:
             upstream.close()  # llhttp cannot be told a HEAD answer has no body: never reuse it
             conn.send(out)
             return not close
+        waiting_for_token = True
         try:
             while True:
                 pieces = parser.take_body()
@@ -369,10 +372,15 @@ class GatewayApp:
                     if chunked:
                         out += LAST_CHUNK
                     conn.send(out)
+                    if waiting_for_token and pieces:
+                        self._first_token(conn)
                     break
                 if out:
                     conn.send(out)
                     out = b""
+                    if waiting_for_token and pieces:
+                        waiting_for_token = False
+                        self._first_token(conn)
                 if not read_more(upstream, self.clock):
                     if length is None and not response.chunked:
                         break  # close-delimited body: EOF is its end
@@ -397,10 +405,20 @@ class GatewayApp:
             upstream.close()
         return not close
 
+    def _first_token(self, conn: ClientConnection) -> None:
+        """The first byte of the backend's answer has just been written to the client."""
+        now = self.clock()
+        if conn.cold:
+            self.metrics.ttft_cold.observe(now - conn.received_at)
+            self.activation.first_byte_forwarded(now)
+        else:
+            self.metrics.ttft_warm.observe(now - conn.received_at)
+
     # -- cold path -------------------------------------------------------------------------------
     def _cold(self, conn: ClientConnection, head: RequestHead, ticket: Ticket | None,
               body: bytes | None) -> bool:
         activation = self.activation
+        conn.cold = True
         if self.config.cold_mode == "reject":
             if ticket is not None:
                 ticket.release()
@@ -491,6 +509,8 @@ class GatewayApp:
         frame = chunk if chunked else bytes
         conn.send(response_head(200, headers) + frame(cold.OPENING_COMMENT))
 
+        relayed: list[bool] = []  # appended to once the backend's own bytes flow
+
         def attempt() -> cold.Retry | Iterator[bytes]:
             try:
                 result = self._attempt(conn, head, body, ticket)
@@ -498,27 +518,35 @@ class GatewayApp:
                 return iter([sse_error_frame(ERRORS["backend_failure"])])
             if result is None:
                 return cold.RETRY
-            return self._committed_stream(conn, *result)
+            return self._committed_stream(conn, *result, relayed)
 
         def on_give_up(kind: str) -> None:
             self.metrics.reject(kind)
 
+        waiting_for_token = True
         for piece in cold.keepalive_stream(self.activation, deadline, self.config.heartbeat_seconds, conn,
                                            attempt, on_give_up):
             conn.send(frame(piece))
+            if waiting_for_token and relayed:  # heartbeats are not tokens
+                waiting_for_token = False
+                self._first_token(conn)
         if chunked:
             conn.send(LAST_CHUNK)
         return not close
 
     def _committed_stream(self, conn: ClientConnection, upstream: UpstreamConnection,
-                          response: ResponseHead) -> Iterator[bytes]:
-        """The backend's answer inside an SSE stream we already committed with 200."""
+                          response: ResponseHead, relayed: list[bool]) -> Iterator[bytes]:
+        """The backend's answer inside an SSE stream we already committed with 200 (``relayed``
+        gets an entry before its first byte is handed on)."""
         parser = upstream.parser
         try:
             if response.status == 200:
                 try:
                     while True:
-                        yield from parser.take_body()
+                        pieces = parser.take_body()
+                        if pieces and not relayed:
+                            relayed.append(True)
+                        yield from pieces
                         if parser.complete or not read_more(upstream, self.clock):
                             break
                 except UpstreamFailed:

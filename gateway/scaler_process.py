@@ -18,10 +18,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from gateway.config import GatewayConfig
 from scaler.demand import DemandBroadcaster
-from scaler.pipe import encode_demand
+from scaler.pipe import encode_demand, read_pushed
 
 log = logging.getLogger("noctaya.gateway.scaler")
 
@@ -49,9 +50,11 @@ class ScalerProcess:
     """Starts, feeds and supervises `python -m scaler local` from the gateway's supervisor (an OS
     thread feeds the pipe)."""
 
-    def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster) -> None:
+    def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster,
+                 on_pushed: Callable[[float], None] | None = None) -> None:
         self._command = scaler_command(config)
         self._broadcaster = broadcaster
+        self._on_pushed = on_pushed
         self._proc: subprocess.Popen | None = None
         self._stopping = False
         self._feeder: threading.Thread | None = None
@@ -68,9 +71,14 @@ class ScalerProcess:
 
     def _spawn(self) -> None:
         # Never the gateway's own stdout: the child logs to stderr like the gateway does.
-        self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        # Its stdout carries one `pushed <time>` line per activation told to KEDA (scaler.pipe).
+        self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       env=os.environ.copy(), close_fds=True)
         log.info("scaler process started", extra={"pid": self._proc.pid})
+        stdout = self._proc.stdout
+        assert stdout is not None
+        on_pushed = self._on_pushed or (lambda _when: None)  # read anyway: a full pipe would block the child
+        threading.Thread(target=read_pushed, args=(stdout, on_pushed), name="noctaya-scaler-pushes", daemon=True).start()
 
     def _feed_forever(self) -> None:
         backoff = 0.25

@@ -79,7 +79,7 @@ class ClientConnection:
     """One client socket, its parser and its deadlines."""
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
-                 "waiting_since", "upstream", "watching", "gone", "wake", "message_done", "request_id",
+                 "waiting_since", "upstream", "watching", "gone", "wake", "message_done", "request_id", "received_at", "cold",
                  "version", "hub", "reader", "admin", "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
@@ -101,6 +101,8 @@ class ClientConnection:
         self.wake: gevent.event.Event | None = None
         self.message_done = True
         self.request_id = b""
+        self.received_at = 0.0  # when the current request's head was read (time to first token)
+        self.cold = False  # whether it waited for the backend
         self.version = "1.1"
         self.hub = gevent.get_hub()
         self.reader = ReadWaiter(self.raw.fileno(), on_idle=self._on_idle_readable)

@@ -227,12 +227,13 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list[Callable[[], None]]:
-    """Start the demand sink of the configured scaler mode; returns its shutdown steps."""
+def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: PodState) -> list[Callable[[], None]]:
+    """Start the demand sink of the configured scaler mode; returns its shutdown steps. Either
+    records in `pod` when demand was pushed active (the workers time activations by it)."""
     if config.scaler_mode == "local":
         from gateway.scaler_process import ScalerProcess
 
-        scaler = ScalerProcess(config, broadcaster).start()
+        scaler = ScalerProcess(config, broadcaster, pod.mark_pushed).start()
         return [lambda: scaler.stop(grace=5.0)]
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
@@ -240,7 +241,7 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster) -> list
         assert config.aggregator_url and config.aggregator_token_file
         reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, broadcaster,
                                   previous_token_file=config.aggregator_previous_token_file,
-                                  ca_file=config.aggregator_ca_file).start()
+                                  ca_file=config.aggregator_ca_file, on_pushed=pod.mark_pushed).start()
         return [lambda: reporter.stop(withdraw=True)]
     return []
 
@@ -266,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     sampler = DemandSampler(supervisor.pod, supervisor.broadcaster).start()
     try:
-        shutdown_steps = _start_scaler(config, supervisor.broadcaster)
+        shutdown_steps = _start_scaler(config, supervisor.broadcaster, supervisor.pod)
     except Exception as exc:
         log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
         supervisor.begin_drain()

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -106,11 +106,13 @@ def _scaler_settings(args: argparse.Namespace) -> tuple[object, object]:
     return settings, tls
 
 
-def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object, tls: object) -> object | None:
+def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object, tls: object,
+                on_activated: Callable[[], None] | None = None) -> object | None:
     from scaler.service import start_scaler_server
 
     try:
-        return start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=settings)
+        return start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=settings,
+                                   on_activated=on_activated)
     except (OSError, ValueError) as exc:  # port in use, unreadable TLS material
         print(f"scaler: cannot start the gRPC scaler: {exc}", file=sys.stderr)
         return None
@@ -183,7 +185,7 @@ def _aggregate(args: argparse.Namespace) -> int:
 
 def _local(args: argparse.Namespace) -> int:
     from scaler.demand import DemandBroadcaster
-    from scaler.pipe import mirror_demand
+    from scaler.pipe import mirror_demand, report_pushed
 
     try:
         scaler_settings, tls = _scaler_settings(args)
@@ -191,7 +193,7 @@ def _local(args: argparse.Namespace) -> int:
         print(f"scaler: {exc}", file=sys.stderr)
         return 2
     broadcaster = DemandBroadcaster()
-    scaler = _start_grpc(args, broadcaster, scaler_settings, tls)
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, report_pushed(sys.stdout.buffer))
     if scaler is None:
         return 1
     stop = threading.Event()

@@ -10,13 +10,20 @@ latest `Demand`, one JSON line per change:
 
 Lines are tiny and each one carries the complete state, so a reader that falls behind or starts
 late only needs the newest line; nothing accumulates.
+
+Back up the child's stdout, one line each time a KEDA stream was told `true` (rare: activations only),
+with the child's CLOCK_MONOTONIC time, which is the same clock as the gateway's on one host:
+
+    pushed <seconds>
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -75,3 +82,33 @@ def mirror_demand(stream: BinaryIO, broadcaster: DemandBroadcaster, on_eof: Call
     thread = threading.Thread(target=run, name="noctaya-demand-pipe", daemon=True)
     thread.start()
     return thread
+
+
+def report_pushed(stream: BinaryIO) -> Callable[[], None]:
+    """The child's side: a callback writing one `pushed` line (from any thread) to `stream`."""
+    lock = threading.Lock()
+
+    def pushed() -> None:
+        line = b"pushed %.6f\n" % time.monotonic()
+        with lock:
+            try:
+                stream.write(line)
+                stream.flush()
+            except (OSError, ValueError):  # the gateway is gone; stdin's EOF ends this process
+                pass
+    return pushed
+
+
+def read_pushed(stream: BinaryIO, on_pushed: Callable[[float], None]) -> None:
+    """The gateway's side: call `on_pushed(when)` for every well-formed line until EOF."""
+    while True:
+        line = stream.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        word, _, value = line.strip().partition(b" ")
+        try:
+            when = float(value)
+        except ValueError:
+            continue
+        if word == b"pushed" and math.isfinite(when) and when > 0:
+            on_pushed(when)

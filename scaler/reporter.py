@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
@@ -56,6 +57,7 @@ class DemandReporter:
         retry_delay: float = 0.25,
         previous_token_file: str | None = None,
         ca_file: str | None = None,
+        on_pushed: Callable[[float], None] | None = None,
     ) -> None:
         if ca_file and not url.lower().startswith("https://"):
             # A CA with a plaintext URL means the operator expected TLS: refuse rather than send the
@@ -64,6 +66,7 @@ class DemandReporter:
         if interval <= 0 or timeout <= 0 or min_gap < 0 or retry_delay <= 0:
             raise ValueError("interval, timeout and retry_delay must be > 0, min_gap >= 0")
         self.url = url
+        self._on_pushed = on_pushed  # called with the time an active demand was first accepted
         self._log_url = _without_userinfo(url)
         self.token_file = token_file
         # During a token rotation the aggregator may still know only the previous token (the kubelet
@@ -170,6 +173,8 @@ class DemandReporter:
                 ok = self._post(demand)
                 now = time.monotonic()
                 if ok:
+                    if demand.active and not (self.last_sent is not None and self.last_sent.active) and self._on_pushed:
+                        self._on_pushed(now)
                     self.last_sent, pending = demand, False
                     next_heartbeat = now + self.interval
                     not_before = now + self.min_gap

@@ -125,7 +125,11 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         source: DemandBroadcaster,
         settings: ScalerSettings,
         stream_pool: futures.ThreadPoolExecutor | None = None,
+        on_activated: Callable[[], None] | None = None,
     ) -> None:
+        # Called (from a stream's thread) each time a stream tells KEDA `true` after `false` or
+        # nothing: the moment demand was pushed, which the gateway times activations by.
+        self._on_activated = on_activated
         if stream_pool is not None:
             # grpcio runs a handler whose behaviour carries `experimental_thread_pool` on that pool:
             # streams get their own pool and can never occupy the threads of unary calls.
@@ -284,9 +288,15 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
             if active != sent or (active and now - sent_at >= gap):
                 if active:  # a flip (or a stream opening while active) re-sends soon; re-sends back off
                     gap = min(settings.activation_resend if not sent else gap * 2, settings.resend_interval)
+                flipped = active and not sent
                 sent, sent_at = active, now
                 self._count(pushes=1)
                 yield pb.IsActiveResponse(result=active)
+                if flipped and self._on_activated is not None:
+                    try:
+                        self._on_activated()
+                    except Exception:  # a broken observer must never end KEDA's stream
+                        log.exception("on_activated failed")
 
     def _sleep_unless_stopping(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -389,6 +399,7 @@ def start_scaler_server(
     target: int = 10,
     tls: TLSFiles | grpc.ServerCredentials | None = None,
     settings: ScalerSettings | None = None,
+    on_activated: Callable[[], None] | None = None,
 ) -> ScalerServer:
     """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).
 
@@ -408,7 +419,7 @@ def start_scaler_server(
         stream_pool = None
         pool = futures.ThreadPoolExecutor(settings.max_streams + settings.unary_workers,
                                           thread_name_prefix="noctaya-scaler")
-    servicer = ExternalScalerServicer(broadcaster, settings, stream_pool)
+    servicer = ExternalScalerServicer(broadcaster, settings, stream_pool, on_activated)
     server = grpc.server(
         pool,
         maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers + settings.max_pending_rpcs,

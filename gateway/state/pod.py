@@ -8,7 +8,9 @@ in-process worker), it holds the limits that are *per Pod, not per worker*:
   needs a lock, neither sleeps, and the count can never go below zero, so the workers together can
   never admit more than ``maxQueue`` requests however their accepts interleave.
 - ``held bytes``: one shared integer under a process-shared lock (only cold requests with a body
-  touch it), so the held-body budget is one budget for the Pod.
+  touch it), so the held-body budget is one budget for the Pod. The same lock guards the claim on
+  timing an activation (once per Pod activation, not once per worker; see gateway.activation) and the
+  time demand was last pushed active (written by the supervisor, read by the workers).
 - ``rows``: one row of float64 cells per worker in an anonymous shared mapping. Each worker writes
   only its own row (its queued / in-flight counts, lease and readiness flags, and its metric
   counters), so writes need no lock; readers (``/noctaya/queue``, ``/metrics``, the demand
@@ -39,6 +41,9 @@ __all__ = ["PodState", "Row", "DemandSampler"]
 QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID, TRANSITIONS = range(8)
 METRIC_CELLS = TRANSITIONS + 1  # first cell gateway.metrics may use
 ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
+# Pod-wide cells after the rows: held body bytes, when demand was last pushed active, and the start
+# of the activation being timed (0 = none).
+_HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT = range(3)
 
 _ctx = multiprocessing.get_context("fork")
 
@@ -53,9 +58,9 @@ class PodState:
         self.max_queue = max_queue
         self.max_held_bytes = max_held_bytes
         self._slots = _ctx.Semaphore(max_queue)
-        self._bytes_lock = _ctx.Lock()
+        self._lock = _ctx.Lock()
         self.notify = _ctx.Semaphore(0)
-        # One extra row-sized area for Pod-wide scalars (held bytes).
+        # One extra row-sized area for Pod-wide scalars (_HELD_BYTES, ...).
         self._map = mmap.mmap(-1, (workers + 1) * ROW_CELLS * 8)
         self.cells = memoryview(self._map).cast("d")
         self._pod = workers * ROW_CELLS
@@ -72,7 +77,7 @@ class PodState:
             raise ValueError("n must be >= 0")
         if n == 0:
             return True
-        with self._bytes_lock:
+        with self._lock:
             held = self.cells[self._pod]
             if self.max_held_bytes is not None and held + n > self.max_held_bytes:
                 return False
@@ -81,12 +86,36 @@ class PodState:
 
     def give_bytes(self, n: int) -> None:
         if n:
-            with self._bytes_lock:
+            with self._lock:
                 self.cells[self._pod] -= n
 
     @property
     def held_bytes(self) -> int:
         return int(self.cells[self._pod])
+
+    # -- one activation of the Pod (timed once, whichever worker admitted its first cold request) --
+    def mark_pushed(self, when: float) -> None:
+        """The Pod's demand turned active at KEDA (or the aggregator) at ``when`` (monotonic)."""
+        self.cells[self._pod + _PUSHED_AT] = when
+
+    @property
+    def pushed_at(self) -> float:
+        return self.cells[self._pod + _PUSHED_AT]
+
+    def claim_activation(self, now: float, stale_after: float) -> bool:
+        """True when no activation of the Pod is being timed (or the one claimed has gone stale,
+        its worker died): the caller times this one and must :meth:`release_activation` it."""
+        with self._lock:
+            claimed = self.cells[self._pod + _ACTIVATION_AT]
+            if claimed and now - claimed < stale_after:
+                return False
+            self.cells[self._pod + _ACTIVATION_AT] = now
+            return True
+
+    def release_activation(self, claimed_at: float) -> None:
+        with self._lock:
+            if self.cells[self._pod + _ACTIVATION_AT] == claimed_at:
+                self.cells[self._pod + _ACTIVATION_AT] = 0.0
 
     # -- rows -------------------------------------------------------------------------------
     def row(self, index: int) -> Row:

@@ -152,6 +152,7 @@ def env(ctx: RenderContext) -> list[dict[str, str]]:
         _env("NOCTAYA_RETRY_AFTER_SECONDS", ep.retry_after_seconds),
         _env("NOCTAYA_HEARTBEAT_SECONDS", HEARTBEAT_SECONDS),
         _env("NOCTAYA_DRAIN_GRACE_SECONDS", DRAIN_GRACE_SECONDS),
+        _env("NOCTAYA_BACKEND_ACCELERATORS", spec.resources.accelerators),
         _env("NOCTAYA_MAX_BODY_BYTES", MAX_BODY_BYTES),
     ]
     if ep.auth is not None:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from gateway.config import GatewayConfig
@@ -60,3 +61,19 @@ def make_gateway() -> Iterator[Callable[..., ThreadedGateway]]:
     yield make
     for gw in started:
         gw.stop()
+
+
+@pytest.fixture
+def channel_factory() -> Iterator[Callable[[int], grpc.Channel]]:
+    """Ready gRPC channels to 127.0.0.1 ports, closed after the test."""
+    channels: list[grpc.Channel] = []
+
+    def make(port: int) -> grpc.Channel:
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(ch).result(timeout=20)
+        channels.append(ch)
+        return ch
+
+    yield make
+    for ch in channels:
+        ch.close()

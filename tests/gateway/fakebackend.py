@@ -112,6 +112,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(404, {"error": {"message": "not found", "type": "invalid_request_error"}})
             return
         words = [f"tok{i}" for i in range(b.tokens)]
+        if b.first_byte_delay:
+            time.sleep(b.first_byte_delay)
         if doc.get("stream"):
             self._stream(words, chat)
             return
@@ -192,6 +194,7 @@ class FakeBackend:
         self.tokens = 5
         self.stream_delay = 0.0
         self.response_delay = 0.0
+        self.first_byte_delay = 0.0  # before anything of a completion's answer (prefill)
         self.die_mid_response = False
         self.health_checks = 0
         self.client_disconnects = 0

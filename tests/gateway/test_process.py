@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -67,21 +66,6 @@ class GatewayProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-
-
-@pytest.fixture
-def channel_factory() -> Iterator:
-    channels: list[grpc.Channel] = []
-
-    def make(port: int) -> grpc.Channel:
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-        grpc.channel_ready_future(ch).result(timeout=20)
-        channels.append(ch)
-        return ch
-
-    yield make
-    for ch in channels:
-        ch.close()
 
 
 def read_stream(stub: pb_grpc.ExternalScalerStub, out: queue.Queue) -> threading.Thread:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 
 import pytest
 
@@ -70,3 +71,15 @@ def test_mirror_over_a_real_pipe_wakes_waiters() -> None:
         writer.close()
         assert done.wait(5)
     assert broadcaster.current() == IDLE
+
+
+def test_pushed_lines_round_trip_and_garbage_is_skipped() -> None:
+    from scaler.pipe import read_pushed, report_pushed
+
+    out = io.BytesIO()
+    before = time.monotonic()
+    report_pushed(out)()
+    seen: list[float] = []
+    stream = io.BytesIO(out.getvalue() + b"pushed nan\npushed -1\nhello 5\n" + b"x" * 1000 + b"\npushed 12.5\n")
+    read_pushed(stream, seen.append)
+    assert len(seen) == 2 and before <= seen[0] <= time.monotonic() and seen[1] == 12.5

@@ -59,13 +59,20 @@ def test_reports_changes_heartbeats_and_withdraws(aggregator, token_file) -> Non
 
 def test_first_active_edge_is_sent_at_once(aggregator, token_file) -> None:
     local = DemandBroadcaster()
-    reporter = DemandReporter(url(aggregator), str(token_file), local, interval=30.0).start()
+    pushed: list[float] = []
+    reporter = DemandReporter(url(aggregator), str(token_file), local, interval=30.0, on_pushed=pushed.append).start()
     try:
         assert wait_until(lambda: aggregator.member_count == 1)
         t0 = time.monotonic()
         local.publish(Demand(queued=1))
         assert wait_until(lambda: aggregator.broadcaster.current().active, timeout=10)
         assert time.monotonic() - t0 < 5.0  # correctness bound; far below the 30 s heartbeat
+        # The gateway times its activation by this edge: reported once, when the aggregator took it.
+        assert wait_until(lambda: len(pushed) == 1) and t0 <= pushed[0] <= time.monotonic()
+        local.publish(Demand(queued=2))
+        local.publish(Demand(in_flight=1))
+        time.sleep(0.3)
+        assert len(pushed) == 1  # more demand while active is no new push
     finally:
         reporter.stop()
 
