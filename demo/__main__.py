@@ -206,6 +206,8 @@ class KedaKubeletStandIn:
         self.stopped = threading.Event()
         self.scaled_to_zero = threading.Event()
         self.activated_at: float | None = None
+        # What a kubelet would write on the backend Pod (RFC 3339): created, started, Ready.
+        self.pod_times: dict[str, str] = {}
 
     def start(self) -> None:
         threading.Thread(target=self._watch_stream, daemon=True).start()
@@ -217,16 +219,19 @@ class KedaKubeletStandIn:
                 return
             say("stand-in", "scaling backend 0 → 1 (starting demo/backend.py; it loads for "
                 f"{self.load_seconds:.0f}s before /health passes)")
+            self.pod_times = {"created": wall_clock()}
             self.backend = self.procs.start(
                 ["-m", "demo.backend", "--port", str(self.backend_port), "--model", self.model,
                  "--load-seconds", str(self.load_seconds)]
             )
+            self.pod_times["started"] = wall_clock()
             self.scaled_to_zero.clear()
         threading.Thread(target=self._report_ready, daemon=True).start()
 
     def _report_ready(self) -> None:
         try:
             wait_http(f"http://127.0.0.1:{self.backend_port}/health", timeout=60)
+            self.pod_times["ready"] = wall_clock()
             say("backend", "Ready (/health 200)")
         except TimeoutError:
             say("backend", "did not become ready")
@@ -271,7 +276,61 @@ class KedaKubeletStandIn:
         self.channel.close()
 
 
-def render_through_hooks(procs: Processes, service: dict, runtime: dict) -> dict:
+def wall_clock() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def backend_pod(name: str, times: dict[str, str]) -> dict:
+    """The backend Pod as the stand-in kubelet would report it: bound at once (one node, nothing to
+    pull), the engine started, Ready when /health passed."""
+    created, started, ready = times["created"], times["started"], times["ready"]
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": f"{name}-backend-demo", "namespace": "default", "creationTimestamp": created,
+                     "labels": {"serving.noctaya.io/llmservice": name, "serving.noctaya.io/component": "backend"}},
+        "status": {"phase": "Running", "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": created},
+            {"type": "Initialized", "status": "True", "lastTransitionTime": created},
+            {"type": "Ready", "status": "True", "lastTransitionTime": ready}],
+            "containerStatuses": [{"name": "engine", "ready": True, "restartCount": 0, "started": True,
+                                   "state": {"running": {"startedAt": started}}}]},
+    }
+
+
+def cold_start_in_status(hooks_url: str, service: dict, runtime: dict, answer: dict, times: dict[str, str]) -> dict:
+    """Ask the hook server for the status of the world after the cold start: first with the backend
+    asked for and no Pod yet (the phase the status was in), then with the Ready Pod."""
+    backend = next(c for c in answer["children"] if c["kind"] == "Deployment"
+                   and c["metadata"]["labels"].get("serving.noctaya.io/component") == "backend")
+    observed = {**backend, "spec": {**backend["spec"], "replicas": 1}, "status": {"replicas": 1}}
+    status = answer["status"]
+    for pods in ([], [backend_pod(service["metadata"]["name"], times)]):
+        request = sync_request({**service, "status": status}, runtime)
+        request["children"]["Deployment.apps/v1"] = {f"default/{backend['metadata']['name']}": observed}
+        request["related"]["Pod.v1"] = {f"default/{p['metadata']['name']}": p for p in pods}
+        resp = requests.post(f"{hooks_url}/v1/llmservice/sync", json=request, timeout=10)
+        resp.raise_for_status()
+        status = resp.json()["status"]
+    return status
+
+
+def gateway_phases(admin_url: str) -> dict[str, float]:
+    """Per-phase means of the gateway's activation histograms (one activation here: its values)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in requests.get(f"{admin_url}/metrics", timeout=5).text.splitlines():
+        for family, label in (("noctaya_gateway_activation_phase_seconds", "phase"),
+                              ("noctaya_gateway_time_to_first_token_seconds", "start")):
+            for kind, into in (("_sum{", sums), ("_count{", counts)):
+                prefix = family + kind + label + '="'
+                if line.startswith(prefix):
+                    key, _, value = line[len(prefix):].partition('"} ')
+                    into[key] = float(value)
+    return {k: sums[k] / counts[k] for k in sums if counts.get(k)}
+
+
+def render_through_hooks(procs: Processes, service: dict, runtime: dict) -> tuple[dict, str]:
+    """The hooks' answer for the example, and the hook server's URL (it keeps running)."""
     port = free_port()
     hooks = procs.start(["-m", "hooks", "serve", "--bind", f"127.0.0.1:{port}", "--workers", "1"])
     procs.wait_ready(hooks, f"http://127.0.0.1:{port}/healthz", timeout=30)
@@ -285,7 +344,7 @@ def render_through_hooks(procs: Processes, service: dict, runtime: dict) -> dict
         say("hooks", f"  child {child['kind']}/{child['metadata']['name']}{note}")
     for cond in answer["status"].get("conditions", []):
         say("hooks", f"  condition {cond['type']}={cond['status']} ({cond['reason']})")
-    return answer
+    return answer, f"http://127.0.0.1:{port}"
 
 
 def gateway_env(answer: dict) -> dict[str, str]:
@@ -294,6 +353,24 @@ def gateway_env(answer: dict) -> dict[str, str]:
             container = child["spec"]["template"]["spec"]["containers"][0]
             return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     raise SystemExit("the hooks rendered no gateway Deployment")
+
+
+def print_breakdown(hooks_url: str, answer: dict, service: dict, runtime: dict, times: dict[str, str],
+                    admin_url: str) -> None:
+    """The cold start, broken down: the gateway's half from its histograms, the backend Pod's half as
+    the hooks put it in status.lastColdStart (from the Pod timestamps the stand-in kubelet wrote)."""
+    phases = gateway_phases(admin_url)
+    say("gateway", "cold start as the gateway timed it: "
+        + ", ".join(f"{name.replace('_to_', ' → ').replace('_', ' ')} {phases[name]:.3f}s"
+                    for name in ("admission_to_push", "push_to_ready", "ready_to_first_byte") if name in phases)
+        + (f"; time to first token {phases['cold']:.2f}s" if "cold" in phases else ""))
+    if {"created", "started", "ready"} <= times.keys():
+        status = cold_start_in_status(hooks_url, service, runtime, answer, times)
+        record = status.get("lastColdStart") or {}
+        say("hooks", "status.lastColdStart (kubectl get llmservice: LAST COLD START "
+            f"{record.get('total', '?')}): " + ", ".join(
+                f"{k} {record[k]}" for k in ("scheduling", "initialization", "weightsWait", "imagePull", "modelLoad", "total")
+                if k in record))
 
 
 def main() -> int:
@@ -308,7 +385,7 @@ def main() -> int:
     procs = Processes()
     standin: KedaKubeletStandIn | None = None
     try:
-        answer = render_through_hooks(procs, service, runtime)
+        answer, hooks_url = render_through_hooks(procs, service, runtime)
         env = gateway_env(answer)
         gw_port, scaler_port, backend_port, admin_port = free_ports(4)
         model = env["NOCTAYA_SERVED_MODEL_NAME"]
@@ -349,6 +426,7 @@ def main() -> int:
             if chunk.choices and chunk.choices[0].delta.content:
                 text.append(chunk.choices[0].delta.content)
         say("client", f"answer: {''.join(text)!r}")
+        cold_start = dict(standin.pod_times)
         queue = requests.get(f"http://127.0.0.1:{admin_port}/noctaya/queue", timeout=2).json()
         say("gateway", f"/noctaya/queue → {json.dumps(queue)}")
         say("client", "warm request (non-streamed)")
@@ -365,6 +443,7 @@ def main() -> int:
         models = [m.id for m in client.models.list().data]
         say("client", f"GET /v1/models at zero → {models} (the gateway still answers; nothing woke)")
         say("demo", "scaled back to zero: the accelerator is free")
+        print_breakdown(hooks_url, answer, service, runtime, cold_start, f"http://127.0.0.1:{admin_port}")
         return 0
     finally:
         if standin is not None:

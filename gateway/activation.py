@@ -106,13 +106,14 @@ class Activation:
         now = self.clock()
         if self.readiness.record(result, now):
             if self.readiness.ready:
-                self._activation_ready(now)
+                timed = self._activation_ready(now)
                 duration = self.lease.backend_ready(now)
                 if duration is not None:
-                    self.metrics.activation_duration.observe(duration)
                     log.info("backend ready", extra={"activation_seconds": round(duration, 3)})
                 else:
                     log.info("backend ready")
+                if timed is not None:
+                    self.metrics.activation_duration.observe(timed)
                 self.ready_event.set()
             elif not self.aborted:  # aborted waiters must stay awake to answer
                 self.ready_event.clear()
@@ -125,16 +126,18 @@ class Activation:
         self.report_probe(ProbeResult.REFUSED)
         self.prober.hurry()
 
-    def _activation_ready(self, now: float) -> None:
+    def _activation_ready(self, now: float) -> float | None:
+        """Observe the phases of the activation this worker times; returns its whole duration."""
         started = self._timing
         if started is None:
-            return
+            return None
         self._observe_push(started)
         pushed = self.pod.pushed_at
         if pushed >= started:
             self.metrics.phases["push_to_ready"].observe(max(0.0, now - pushed))
         self._ready_at = now
         self._end_timing()
+        return now - started
 
     def _observe_push(self, started: float) -> None:
         pushed = self.pod.pushed_at

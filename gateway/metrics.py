@@ -183,7 +183,8 @@ class _PodCollector:
         yield GaugeMetricFamily("noctaya_gateway_draining", "1 after SIGTERM.", value=1.0 if pod.any(DRAINING) else 0.0)
         yield GaugeMetricFamily("noctaya_gateway_workers", "Worker processes of this gateway Pod.", value=pod.workers)
         yield self._histogram("noctaya_gateway_activation_duration_seconds",
-                              "From the start of an activation lease to backend readiness.",
+                              "From the first cold admission of an activation of this gateway Pod to backend "
+                              "readiness seen (once per activation, whichever worker admitted it).",
                               _ACTIVATION, ACTIVATION_BUCKETS)
         yield self._histogram("noctaya_gateway_time_to_first_byte_seconds",
                               "From the start of forwarding to the backend's response head.", _TTFB, TTFB_BUCKETS)

@@ -107,7 +107,7 @@ def _scaler_settings(args: argparse.Namespace) -> tuple[object, object]:
 
 
 def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object, tls: object,
-                on_activated: Callable[[], None] | None = None) -> object | None:
+                on_activated: Callable[[float], None] | None = None) -> object | None:
     from scaler.service import start_scaler_server
 
     try:

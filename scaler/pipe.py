@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -84,12 +83,12 @@ def mirror_demand(stream: BinaryIO, broadcaster: DemandBroadcaster, on_eof: Call
     return thread
 
 
-def report_pushed(stream: BinaryIO) -> Callable[[], None]:
-    """The child's side: a callback writing one `pushed` line (from any thread) to `stream`."""
+def report_pushed(stream: BinaryIO) -> Callable[[float], None]:
+    """The child's side: a callback writing one `pushed <when>` line (from any thread) to `stream`."""
     lock = threading.Lock()
 
-    def pushed() -> None:
-        line = b"pushed %.6f\n" % time.monotonic()
+    def pushed(when: float) -> None:
+        line = b"pushed %.6f\n" % when
         with lock:
             try:
                 stream.write(line)

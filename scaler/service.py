@@ -125,9 +125,9 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
         source: DemandBroadcaster,
         settings: ScalerSettings,
         stream_pool: futures.ThreadPoolExecutor | None = None,
-        on_activated: Callable[[], None] | None = None,
+        on_activated: Callable[[float], None] | None = None,
     ) -> None:
-        # Called (from a stream's thread) each time a stream tells KEDA `true` after `false` or
+        # Called with the monotonic time (from a stream's thread) each time a stream tells KEDA `true` after `false` or
         # nothing: the moment demand was pushed, which the gateway times activations by.
         self._on_activated = on_activated
         if stream_pool is not None:
@@ -294,7 +294,9 @@ class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
                 yield pb.IsActiveResponse(result=active)
                 if flipped and self._on_activated is not None:
                     try:
-                        self._on_activated()
+                        # The time it was handed to gRPC: this generator resumes only when gRPC asks
+                        # for the next message, which can be much later on a busy process.
+                        self._on_activated(now)
                     except Exception:  # a broken observer must never end KEDA's stream
                         log.exception("on_activated failed")
 
@@ -399,7 +401,7 @@ def start_scaler_server(
     target: int = 10,
     tls: TLSFiles | grpc.ServerCredentials | None = None,
     settings: ScalerSettings | None = None,
-    on_activated: Callable[[], None] | None = None,
+    on_activated: Callable[[float], None] | None = None,
 ) -> ScalerServer:
     """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).
 

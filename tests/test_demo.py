@@ -1,6 +1,7 @@
 """`make demo` is the README's main command: prove it runs end to end and scales back to zero."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,10 +40,18 @@ def test_demo_scales_from_zero_and_back() -> None:
         "warm answer in",
         "scaling backend 1 → 0",
         "scaled back to zero",
+        "cold start as the gateway timed it: admission → push",
+        "status.lastColdStart",
     ]
     positions = [out.find(s) for s in stages]
     assert all(p >= 0 for p in positions), dict(zip(stages, positions, strict=True))
     assert positions == sorted(positions), out
+    # The breakdown ends the timeline: the backend "loads" for 1 s (--load-seconds), so push → ready
+    # and the Pod's model load say about that.
+    gateway_line = next(line for line in out.splitlines() if "cold start as the gateway timed it" in line)
+    assert re.search(r"push → ready [12]\.\d+s", gateway_line), gateway_line
+    record = re.search(r"modelLoad (\d+)s, total (\d+)s", out)
+    assert record and int(record[1]) in (1, 2) and int(record[2]) >= int(record[1]), out
 
 
 @pytest.mark.timeout(240)

@@ -78,7 +78,7 @@ def test_pushed_lines_round_trip_and_garbage_is_skipped() -> None:
 
     out = io.BytesIO()
     before = time.monotonic()
-    report_pushed(out)()
+    report_pushed(out)(time.monotonic())
     seen: list[float] = []
     stream = io.BytesIO(out.getvalue() + b"pushed nan\npushed -1\nhello 5\n" + b"x" * 1000 + b"\npushed 12.5\n")
     read_pushed(stream, seen.append)

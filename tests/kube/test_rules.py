@@ -1,0 +1,97 @@
+"""The example alerting and recording rules, checked by Prometheus's own promtool (built from the
+Prometheus Go module pinned in tools/kube-testenv/versions.env, cached outside the repository):
+`promtool check rules` on the rule groups of the PrometheusRule, and `promtool test rules` feeding
+series through the recording rules to check the accelerator-hours and cold-start numbers."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.kube.apiserver import KubeUnavailable
+from tests.kube.gobuild import module_binary
+from tests.kube.manifests import EXAMPLES_DIR, load_documents
+
+RULES = EXAMPLES_DIR / "observability" / "prometheusrule.yaml"
+
+
+@pytest.fixture(scope="module")
+def promtool() -> Path:
+    try:
+        return module_binary("PROMETHEUS_MODULE", "github.com/prometheus/prometheus/cmd/promtool", "promtool")
+    except KubeUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def rule_file(tmp_path: Path) -> Path:
+    (doc,) = load_documents(RULES)
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": doc["spec"]["groups"]}, sort_keys=False))
+    return path
+
+
+def test_promtool_accepts_every_rule(promtool: Path, rule_file: Path) -> None:
+    result = subprocess.run([str(promtool), "check", "rules", str(rule_file)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+# A model with 2 accelerators per replica, scaled to zero for the first 12 hours and at one replica
+# for the next 12, with two cold starts (8 s and 40 s) timed by its gateway.
+SERIES = """
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="qwen-backend"}'
+  values: '0x719 1x720'
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="unrelated-backend"}'
+  values: '3x1439'
+- series: 'noctaya_gateway_backend_accelerators_per_replica{namespace="models", llmservice="qwen", pod="qwen-gateway-a"}'
+  values: '2x1439'
+- series: 'noctaya_gateway_activation_duration_seconds_count{namespace="models", llmservice="qwen", pod="qwen-gateway-a"}'
+  values: '0x600 1x400 2x438'
+- series: 'noctaya_gateway_activation_duration_seconds_bucket{namespace="models", llmservice="qwen", pod="qwen-gateway-a", le="10.0"}'
+  values: '0x600 1x838'
+- series: 'noctaya_gateway_activation_duration_seconds_bucket{namespace="models", llmservice="qwen", pod="qwen-gateway-a", le="60.0"}'
+  values: '0x600 1x400 2x438'
+- series: 'noctaya_gateway_activation_duration_seconds_bucket{namespace="models", llmservice="qwen", pod="qwen-gateway-a", le="+Inf"}'
+  values: '0x600 1x400 2x438'
+"""
+
+
+def test_recording_rules_compute_accelerator_hours_and_cold_starts(promtool: Path, rule_file: Path,
+                                                                    tmp_path: Path) -> None:
+    at = "1439m"
+    tests = {
+        "rule_files": [str(rule_file)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": yaml.safe_load(SERIES),
+            "promql_expr_test": [
+                {"expr": "llmservice:noctaya_accelerators_held:max", "eval_time": "100m",
+                 "exp_samples": [{"labels": 'llmservice:noctaya_accelerators_held:max{namespace="models", llmservice="qwen"}', "value": 0}]},
+                {"expr": "llmservice:noctaya_accelerators_always_on:max", "eval_time": "100m",
+                 "exp_samples": [{"labels": 'llmservice:noctaya_accelerators_always_on:max{namespace="models", llmservice="qwen"}', "value": 2}]},
+                {"expr": "llmservice:noctaya_accelerators_held:max", "eval_time": "1000m",
+                 "exp_samples": [{"labels": 'llmservice:noctaya_accelerators_held:max{namespace="models", llmservice="qwen"}', "value": 2}]},
+                # 24 h: 12 h at 2 accelerators held (24 accelerator-hours); min=1 would have held 48.
+                {"expr": "round(llmservice:noctaya_accelerator_hours_held:24h)", "eval_time": at,
+                 "exp_samples": [{"labels": '{namespace="models", llmservice="qwen"}', "value": 24}]},
+                {"expr": "round(llmservice:noctaya_accelerator_hours_saved:24h)", "eval_time": at,
+                 "exp_samples": [{"labels": '{namespace="models", llmservice="qwen"}', "value": 24}]},
+                {"expr": "round(llmservice:noctaya_cold_starts:24h)", "eval_time": at,
+                 "exp_samples": [{"labels": '{namespace="models", llmservice="qwen"}', "value": 2}]},
+                {"expr": "llmservice:noctaya_cold_start_seconds:p50_24h <= 10", "eval_time": at,
+                 "exp_samples": [{"labels": 'llmservice:noctaya_cold_start_seconds:p50_24h{namespace="models", llmservice="qwen"}', "value": 10}]},
+                # p95 of {8 s, 40 s} from buckets 10 / 60: 10 + (1.9 - 1) × 50 = 55.
+                {"expr": "round(llmservice:noctaya_cold_start_seconds:p95_24h)", "eval_time": at,
+                 "exp_samples": [{"labels": '{namespace="models", llmservice="qwen"}', "value": 55}]},
+            ],
+        }],
+    }
+    path = tmp_path / "tests.yaml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = subprocess.run([str(promtool), "test", "rules", str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
