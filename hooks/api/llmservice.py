@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
+import zoneinfo
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from hooks.api import cron
 from hooks.api.common import (
     API_VERSION,
     ApiModel,
@@ -221,6 +225,96 @@ class LeadingSignalTrigger(ApiModel):
     )
 
 
+_LEAD_TIME_RE = r"^(auto|([0-9]+(\.[0-9]+)?(ms|s|m|h))+)$"
+_TIME_ZONE_RE = r"^[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+){0,2}$"
+MAX_LEAD_SECONDS = 3600
+
+
+@lru_cache(maxsize=1)
+def _time_zones() -> frozenset[str]:
+    return frozenset(zoneinfo.available_timezones())
+
+
+def lead_minutes(seconds: float) -> int:
+    """A lead time in whole minutes (cron's resolution), rounded up: never opens late."""
+    return min(math.ceil(seconds / 60), MAX_LEAD_SECONDS // 60)
+
+
+class WarmWindow(ApiModel):
+    """A time window in which the backend is held at `replicas` whether or not requests come.
+
+    Rendered as a KEDA cron trigger beside the demand trigger: KEDA takes the larger, so demand
+    still scales past the window's floor, and outside windows the model scales to zero as usual.
+    """
+
+    start: str = Field(description="When the window opens: a 5-field cron expression (minute hour "
+                       "day-of-month month day-of-week), e.g. \"0 8 * * MON-FRI\".", max_length=100)
+    end: str = Field(description="When it closes, the same way, e.g. \"0 18 * * MON-FRI\".", max_length=100)
+    time_zone: str = Field(default="UTC", description="IANA time zone both expressions are read in, "
+                           "e.g. Europe/Berlin.", max_length=64, pattern=_TIME_ZONE_RE)
+    replicas: int = Field(default=1, ge=1, le=1000, description="Backend replicas held during the window.")
+    lead_time: str | None = Field(
+        default=None, max_length=32, pattern=_LEAD_TIME_RE,
+        description="Open this much before `start` (up to 1h, in whole minutes), so the model is Ready when "
+        "the window opens; `auto` uses the last measured cold start (status.lastColdStart.total, "
+        "none until one was measured). Needs a start with one minute and explicit hours.",
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel=f"self.start.matches({_cel_string(cron.CRON_RE)})",
+            message="schedules[].start must be a 5-field cron expression (minute 0-59, hour 0-23, day of month "
+            "1-31, month 1-12 or JAN-DEC, day of week 0-6 or SUN-SAT), e.g. \"0 8 * * MON-FRI\"",
+            check=lambda w: re.match(cron.CRON_RE, w.start) is not None,
+        ),
+        Rule(
+            cel=f"self.end.matches({_cel_string(cron.CRON_RE)})",
+            message="schedules[].end must be a 5-field cron expression (minute 0-59, hour 0-23, day of month "
+            "1-31, month 1-12 or JAN-DEC, day of week 0-6 or SUN-SAT), e.g. \"0 18 * * MON-FRI\"",
+            check=lambda w: re.match(cron.CRON_RE, w.end) is not None,
+        ),
+        Rule(
+            cel="self.start != self.end",
+            message="schedules[].start and end must differ",
+            check=lambda w: w.start != w.end,
+        ),
+        Rule(
+            cel="!has(self.leadTime) || self.leadTime == 'auto' || duration(self.leadTime) <= duration('1h')",
+            message="schedules[].leadTime must be auto or a duration up to 1h",
+            check=lambda w: w.lead_time in (None, "auto") or duration_seconds(w.lead_time) <= MAX_LEAD_SECONDS,
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_beyond_cel(self) -> WarmWindow:
+        """What CEL cannot say: the time zone database, backwards ranges, and whether a lead time
+        can be written as one earlier cron expression. The hooks then report the spec invalid."""
+        for name, expr in (("start", self.start), ("end", self.end)):
+            bad = cron.problem(expr)
+            if bad is not None:
+                raise ValueError(f"schedules[].{name} {expr!r}: {bad}")
+        if self.time_zone not in _time_zones():
+            raise ValueError(f"schedules[].timeZone {self.time_zone!r} is not an IANA time zone "
+                             "(e.g. Europe/Berlin, America/New_York, UTC)")
+        if self.lead_time is not None:
+            leads = range(1, MAX_LEAD_SECONDS // 60 + 1) if self.lead_time == "auto" \
+                else [lead_minutes(duration_seconds(self.lead_time))]
+            if any(cron.shift_earlier(self.start, m) is None for m in leads):
+                raise ValueError(
+                    f"schedules[].leadTime {self.lead_time} cannot move start {self.start!r} earlier as one cron "
+                    "expression: give start one minute and explicit hours (and keep day of month and month * "
+                    "if the lead can cross midnight), or write the earlier start yourself")
+        return self
+
+    def lead_seconds(self, measured: float | None) -> int:
+        """Minutes × 60 by which this window opens early; `auto` uses the measured cold start."""
+        if self.lead_time is None:
+            return 0
+        if self.lead_time == "auto":
+            return 60 * lead_minutes(measured) if measured else 0
+        return 60 * lead_minutes(duration_seconds(self.lead_time))
+
+
 class Scaling(ApiModel):
     """Replica bounds and timings. KEDA owns backend replicas; these are its inputs."""
 
@@ -240,6 +334,11 @@ class Scaling(ApiModel):
     triggers: list[LeadingSignalTrigger] = Field(
         default_factory=list, max_length=8, description="Leading-signal triggers for 1→N, OR-combined with demand."
     )
+    schedules: list[WarmWindow] = Field(
+        default_factory=list, max_length=8,
+        description="Warm windows: cron-scheduled times the backend is held at a floor of replicas (KEDA cron "
+        "triggers beside the demand trigger, which still scales past the floor).",
+    )
 
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule(
@@ -251,6 +350,11 @@ class Scaling(ApiModel):
             cel="duration(self.activationTimeout) >= duration('1s') && duration(self.activationTimeout) <= duration('1h')",
             message="scaling.activationTimeout must be between 1s and 1h",
             check=lambda s: 1 <= duration_seconds(s.activation_timeout) <= 3600,
+        ),
+        Rule(
+            cel="!has(self.schedules) || self.schedules.all(w, !has(w.replicas) || w.replicas <= self.max)",
+            message="scaling.schedules[].replicas must not exceed scaling.max",
+            check=lambda s: all(w.replicas <= s.max for w in s.schedules),
         ),
         Rule(
             cel="duration(self.pollingInterval) >= duration('1s')",

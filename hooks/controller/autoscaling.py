@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hooks.config import HookConfig, resolve
+from hooks.controller import coldstart
 from hooks.controller import observe as obs
 from hooks.controller.customize import runtime_rule
 from hooks.controller.sync import namespace_of, parse_service, resolve_runtime
@@ -34,7 +35,8 @@ def desired_scaled_object(obj: dict[str, Any], observed: obs.Observed, config: H
     resolution = resolve_runtime(service, observed)
     if resolution.runtime is None:
         return None
-    ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace_of(obj), config=config)
+    ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace_of(obj), config=config,
+                        measured_cold_start=coldstart.measured_total(obj))
     return autoscaling.scaled_object(ctx).scaled_object
 
 

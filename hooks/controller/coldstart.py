@@ -229,3 +229,13 @@ def timeline(
     if record is not None:
         out["lastColdStart"] = record
     return out
+
+
+def measured_total(parent: dict[str, Any]) -> int | None:
+    """Seconds of the last cold start in the parent's status (None when none was recorded)."""
+    status = parent.get("status")
+    record = status.get("lastColdStart") if isinstance(status, dict) else None
+    total = record.get("total") if isinstance(record, dict) else None
+    if isinstance(total, str) and total.endswith("s") and total[:-1].isdigit():
+        return int(total[:-1])
+    return None

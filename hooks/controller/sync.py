@@ -209,11 +209,27 @@ def plan_children(
                 t,
                 "True",
                 Reason.CONFIGURED,
-                f"ScaledObject {names.scaled_object(name)} scales {names.backend(name)} between "
-                f"{scaling.min} and {scaling.max} replicas on demand from {ctx.scaler_address}",
+                st.short(f"ScaledObject {names.scaled_object(name)} scales {names.backend(name)} between "
+                         f"{scaling.min} and {scaling.max} replicas on demand from {ctx.scaler_address}"
+                         + _windows_text(ctx)),
             )
         )
     return so_plan
+
+
+def _windows_text(ctx: RenderContext) -> str:
+    """The warm windows as the ScaledObject opens them (stable: the lead changes only with a new
+    cold-start record)."""
+    parts = []
+    for window in ctx.service.spec.scaling.schedules:
+        lead = window.lead_seconds(ctx.measured_cold_start) // 60
+        text = f"{window.replicas} from '{window.start}' to '{window.end}' {window.time_zone}"
+        if lead:
+            text += f", opening {lead}m early"
+        elif window.lead_time == "auto":
+            text += ", opening early once a cold start was measured"
+        parts.append(text)
+    return f"; warm windows hold {'; '.join(parts)}" if parts else ""
 
 
 def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, volume: dict[str, Any],
@@ -301,6 +317,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         namespace=namespace_of(parent),
         config=config,
         uid=str((parent.get("metadata") or {}).get("uid") or ""),
+        measured_cold_start=coldstart.measured_total(parent),
     )
     plan_children(ctx, observed, out, keda, missing)
 

@@ -7,6 +7,8 @@ Triggers:
 - optional leading-signal `prometheus` triggers, OR-combined by KEDA, each tracking the hottest
   replica: `max()` over the service's pods, with metricType Value so the HPA compares that
   maximum against the threshold (AverageValue would divide it by the replica count).
+- one `cron` trigger per warm window (`scaling.schedules`): active inside the window, holding its
+  replicas as a floor; `leadTime` moves its start earlier (`auto`: by the last measured cold start).
 
 Behaviour when the scaler is unreachable (a deliberate choice): no `fallback`. Current KEDA,
 when a trigger errors and no fallback is set, marks the ScaledObject Ready=False (TriggerError) and
@@ -22,12 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hooks.api import cron
 from hooks.api.llmservice import LeadingSignalTrigger
 from hooks.resources import labels, names
 from hooks.resources.context import RenderContext
 
 API_VERSION = "keda.sh/v1alpha1"
 DEMAND_TRIGGER = "gateway-demand"
+WARM_WINDOW_TRIGGER = "warm-window"
 MAX_HPA_WINDOW_SECONDS = 3600  # the HPA API's upper bound for a stabilization window
 
 
@@ -59,6 +63,27 @@ def leading_query(ctx: RenderContext, trigger: LeadingSignalTrigger) -> str | No
     if trigger.signal == "InFlightRatio":
         query = f"{query} / {trigger.max_concurrent_sequences}"
     return query
+
+
+def warm_window_triggers(ctx: RenderContext) -> list[dict[str, Any]]:
+    """One KEDA cron trigger per warm window. KEDA reports a cron trigger active inside its window
+    with desiredReplicas as the metric; with metricType AverageValue and KEDA's target of 1 the HPA
+    asks for exactly that many replicas, and takes the largest of all triggers."""
+    measured = ctx.measured_cold_start
+    out = []
+    for index, window in enumerate(ctx.service.spec.scaling.schedules):
+        lead = window.lead_seconds(measured) // 60
+        start = cron.shift_earlier(window.start, lead)
+        if start is None:  # refused at validation; never render a window that opens late
+            start = window.start
+        out.append({
+            "type": "cron",
+            "name": f"{WARM_WINDOW_TRIGGER}-{index}",
+            "metricType": "AverageValue",
+            "metadata": {"timezone": window.time_zone, "start": start, "end": window.end,
+                         "desiredReplicas": str(window.replicas)},
+        })
+    return out
 
 
 def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
@@ -98,6 +123,7 @@ def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
                              "activationThreshold": trigger.threshold},
             }
         )
+    triggers += warm_window_triggers(ctx)
     obj = {
         "apiVersion": API_VERSION,
         "kind": "ScaledObject",

@@ -19,6 +19,9 @@ class RenderContext:
     namespace: str
     config: HookConfig
     uid: str = ""
+    # Seconds of the last cold start the status recorded (leadTime `auto`); read from the parent's
+    # status, which the spec model does not parse.
+    measured_cold_start: int | None = None
 
     @property
     def name(self) -> str:

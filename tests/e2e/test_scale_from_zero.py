@@ -14,7 +14,9 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import grpc
 import openai
@@ -376,6 +378,46 @@ def test_two_gateways_aggregate_their_demand(model_factory: Callable[[str, str],
     text, _ = stream_answer(model.client(index=0), "multi")
     assert text == ANSWER
     print(f"\ntwo gateways + aggregator: cold request at gateway 2 answered, first token {first:.2f} s")
+
+
+@pytest.mark.timeout(420)
+def test_a_warm_window_wakes_the_backend_with_no_request_and_lets_it_go_after_it_closes(
+        model_factory: Callable[[str, str], Model], timeline: Timeline) -> None:
+    # The window is read in Tokyo time (not the machine's): it opens at the first minute boundary at
+    # least 45 s away (time to create everything first) and closes one minute later.
+    zone = ZoneInfo("Asia/Tokyo")
+    opens = (datetime.now(zone) + timedelta(seconds=45 + 59)).replace(second=0, microsecond=0)
+    closes = opens + timedelta(minutes=1)
+    window = {"start": f"{opens.minute} {opens.hour} * * *", "end": f"{closes.minute} {closes.hour} * * *",
+              "timeZone": "Asia/Tokyo", "replicas": 1}
+    model = model_factory("windowed", "e2e-window")
+    model.create(llmservice(model.name, model.namespace, scaling={"schedules": [window]}))
+    model.start_pods()
+    model.wait_keda_connected()
+    cron = [t for t in model.get("scaledobject", "-backend")["spec"]["triggers"] if t["type"] == "cron"]
+    assert cron and cron[0]["metadata"]["start"] == window["start"], timeline.text()
+    assert model.replicas() == 0, timeline.text()
+    timeline.note(f"window {window['start']} .. {window['end']} Asia/Tokyo: opens in "
+                  f"{(opens - datetime.now(zone)).total_seconds():.0f} s")
+
+    def seconds_after(moment: datetime) -> float:
+        return (datetime.now(zone) - moment).total_seconds()
+
+    until_open = (opens - datetime.now(zone)).total_seconds()
+    model.wait("backend scaled 0 → 1 when the window opened (no request sent)", lambda: model.replicas() == 1,
+               timeout=until_open + 45)
+    woke = seconds_after(opens)
+    assert woke >= -1, f"scaled up {-woke:.1f} s before the window opened\n{timeline.text()}"
+    model.wait("the backend Pod is Ready (the model server answers)", lambda: model.server.backend.running, timeout=60)
+    until_close = (closes - datetime.now(zone)).total_seconds()
+    assert model.replicas() == 1, timeline.text()
+    model.wait("backend scaled back to 0 after the window closed and the cooldown",
+               lambda: model.replicas() == 0, timeout=until_close + COOLDOWN_SECONDS + 60)
+    slept = seconds_after(closes)
+    assert slept >= COOLDOWN_SECONDS - 1, f"scaled in {slept:.1f} s after the window closed\n{timeline.text()}"
+    assert not model.server.backend.requests_to("/v1/chat/completions"), "a request was sent"
+    print(f"\nwarm window: backend 0 → 1 {woke:.1f} s after it opened; 1 → 0 {slept:.1f} s after it closed "
+          f"(cooldownPeriod {COOLDOWN_SECONDS} s, pollingInterval {POLLING_SECONDS} s)")
 
 
 def test_invalid_spec_is_refused_at_admission_or_reported_with_every_child_kept(

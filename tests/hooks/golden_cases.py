@@ -180,6 +180,24 @@ def decorator_sync() -> tuple[str, dict]:
     return "autoscaling.sync", h.decorator_request(svc)
 
 
+# A cold start of 83 s on record: leadTime auto opens the office-hours window 2 minutes early.
+MEASURED_COLD_START = {"pod": "qwen-backend-7d9f-abcde", "startedAt": "2026-01-01T00:00:00Z",
+                       "readyAt": "2026-01-01T00:01:23Z", "scheduling": "2s", "initialization": "1s",
+                       "weightsWait": "0s", "imagePull": "30s", "modelLoad": "50s", "total": "83s"}
+WARM_WINDOWS = [
+    {"start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "timeZone": "Europe/Berlin", "replicas": 2,
+     "leadTime": "auto"},
+    {"start": "30 0 * * SAT", "end": "0 2 * * SAT", "timeZone": "America/New_York", "leadTime": "45m"},
+    {"start": "*/30 * 1 * *", "end": "59 23 1 * *"},
+]
+
+
+def decorator_warm_windows() -> tuple[str, dict]:
+    svc = h.llmservice(scaling={"min": 0, "max": 3, "schedules": WARM_WINDOWS},
+                       status={"lastColdStart": MEASURED_COLD_START})
+    return "autoscaling.sync", h.decorator_request(svc)
+
+
 def decorator_keeps_attachment_without_runtime() -> tuple[str, dict]:
     svc = h.llmservice()
     desired = autoscaling.sync(h.decorator_request(svc), h.config())["attachments"][0]
@@ -263,6 +281,7 @@ CASES: dict[str, Callable[[], tuple[str, dict]]] = {
     "finalize-draining-backend": finalize_draining_backend,
     "finalize-done": finalize_done,
     "decorator-sync": decorator_sync,
+    "decorator-warm-windows": decorator_warm_windows,
     "decorator-keeps-attachment-without-runtime": decorator_keeps_attachment_without_runtime,
     "decorator-finalize": decorator_finalize,
     "customize-by-name": customize_by_name,

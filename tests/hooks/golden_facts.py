@@ -169,6 +169,15 @@ def _decorator_sync(a: Answer) -> None:
     assert "fallback" not in spec  # KEDA holds replicas while the scaler is unreachable
 
 
+def _decorator_warm_windows(a: Answer) -> None:
+    (so,) = a["attachments"]
+    crons = [t for t in so["spec"]["triggers"] if t["type"] == "cron"]
+    assert [t["metadata"]["start"] for t in crons] == ["58 7 * * MON-FRI", "45 23 * * 5", "*/30 * 1 * *"]
+    assert [t["metadata"]["desiredReplicas"] for t in crons] == ["2", "1", "1"]
+    assert [t["metadata"]["timezone"] for t in crons] == ["Europe/Berlin", "America/New_York", "UTC"]
+    assert so["spec"]["triggers"][0]["type"] == "external-push" and so["spec"]["minReplicaCount"] == 0
+
+
 def _decorator_keeps(a: Answer) -> None:
     assert [s["metadata"]["name"] for s in a["attachments"]] == ["qwen-backend"]  # kept without its runtime
 
@@ -226,6 +235,7 @@ FACTS: dict[str, Callable[[Answer], None]] = {
     "finalize-draining-backend": _finalize_draining_backend,
     "finalize-done": _finalize_done,
     "decorator-sync": _decorator_sync,
+    "decorator-warm-windows": _decorator_warm_windows,
     "decorator-keeps-attachment-without-runtime": _decorator_keeps,
     "decorator-finalize": _decorator_finalize,
     "customize-by-name": _customize,

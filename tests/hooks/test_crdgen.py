@@ -446,6 +446,25 @@ LLM_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
     ),
 ]
 
+_WINDOW = {"start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI"}
+_CRON_HELP = ("5-field cron expression (minute 0-59, hour 0-23, day of month 1-31, month 1-12 or JAN-DEC, day of "
+              "week 0-6 or SUN-SAT)")
+LLM_SAMPLES += [
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"max": 2, "schedules": [
+        {**_WINDOW, "timeZone": "Europe/Berlin", "replicas": 2, "leadTime": "auto"},
+        {"start": "*/30 9-17 1,15 jan-jun ?", "end": "59 23 * * SUN", "leadTime": "0s"}]}}, None),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "start": "61 8 * * *"}]}},
+     f'schedules[].start must be a {_CRON_HELP}, e.g. "0 8 * * MON-FRI"'),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "end": "0 8 * *"}]}},
+     f'schedules[].end must be a {_CRON_HELP}, e.g. "0 18 * * MON-FRI"'),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "end": _WINDOW["start"]}]}},
+     "schedules[].start and end must differ"),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "leadTime": "61m"}]}},
+     "schedules[].leadTime must be auto or a duration up to 1h"),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "replicas": 2}]}},
+     "scaling.schedules[].replicas must not exceed scaling.max"),
+]
+
 RUNTIME_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
     ({"engine": "vllm", "image": "vllm/vllm-openai:v0.6.3"}, None),
     ({"engine": "custom", "image": "x", "command": ["/serve"]}, None),

@@ -37,7 +37,7 @@ def explain(kube: ControlPlane, path: str) -> str:
 
 def columns(header: str, row: str) -> dict[str, str]:
     """A kubectl table row by column: kubectl aligns cells under their headers (empty cells stay blank)."""
-    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    starts = [m.start() for m in re.finditer(r"\S+(?: \S+)*", header)]  # "LAST COLD START" is one header
     bounds = [*starts[1:], None]
     return {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, bounds, strict=True)}
 
@@ -99,6 +99,11 @@ def test_get_llmservice_shows_printer_columns(kube: ControlPlane, noctaya_crds: 
             "endpoint": f"http://qwen-gateway.{NAMESPACE}.svc.cluster.local/v1",
             "replicas": 0,
             "readyReplicas": 0,
+            "phase": "ScaledToZero",
+            "phaseSince": "2026-01-01T00:00:00Z",
+            "lastColdStart": {"pod": "qwen-backend-1", "startedAt": "2025-12-31T23:50:00Z",
+                              "readyAt": "2025-12-31T23:51:23Z", "scheduling": "2s", "initialization": "1s",
+                              "weightsWait": "0s", "imagePull": "30s", "modelLoad": "50s", "total": "83s"},
             "conditions": [
                 {
                     "type": "Ready",
@@ -114,17 +119,21 @@ def test_get_llmservice_shows_printer_columns(kube: ControlPlane, noctaya_crds: 
         "patch", "-n", NAMESPACE, "llmservice", "qwen", "--subresource=status", "--type=merge", "-p", json.dumps(status)
     )
     header, row = kube.kubectl("get", "-n", NAMESPACE, "llmservice", "qwen").stdout.splitlines()
-    assert header.split() == ["NAME", "RUNTIME", "REPLICAS", "READY", "ENDPOINT", "AGE"]
     cells = columns(header, row)
+    assert list(cells) == ["NAME", "RUNTIME", "REPLICAS", "READY", "PHASE", "SINCE", "LAST COLD START", "AGE"]
     assert cells == {
         "NAME": "qwen",
         "RUNTIME": "vllm-nvidia",
         "REPLICAS": "0",
         "READY": "False",
-        "ENDPOINT": f"http://qwen-gateway.{NAMESPACE}.svc.cluster.local/v1",
+        "PHASE": "ScaledToZero",
+        "SINCE": cells["SINCE"],
+        "LAST COLD START": "83s",
         "AGE": cells["AGE"],
     }
-    assert cells["AGE"]
+    assert cells["AGE"] and re.fullmatch(r"\d+[smhdy]\S*", cells["SINCE"]), cells  # a timestamp shown as an age
+    header, row = kube.kubectl("get", "-n", NAMESPACE, "llmservice", "qwen", "-o", "wide").stdout.splitlines()
+    assert columns(header, row)["ENDPOINT"] == f"http://qwen-gateway.{NAMESPACE}.svc.cluster.local/v1"
     # The short name works too.
     assert kube.kubectl("get", "-n", NAMESPACE, "llm", "-o", "name").stdout.strip() == (
         "llmservice.serving.noctaya.io/qwen"

@@ -188,6 +188,42 @@ CASES = [
         _set("lifecycle", {"drainTimeout": "2m", "terminationGracePeriodSeconds": 60}),
         "terminationGracePeriodSeconds must be at least drainTimeout + 10 seconds",
     ),
+    Case(
+        "window-bad-cron",
+        VALID_LLMSERVICE,
+        _set("scaling", {"schedules": [{"start": "61 8 * * *", "end": "0 18 * * *"}]}),
+        "schedules[].start must be a 5-field cron expression",
+    ),
+    Case(
+        "window-four-fields",
+        VALID_LLMSERVICE,
+        _set("scaling", {"schedules": [{"start": "0 8 * *", "end": "0 18 * * *"}]}),
+        "schedules[].start must be a 5-field cron expression",
+    ),
+    Case(
+        "window-bad-end",
+        VALID_LLMSERVICE,
+        _set("scaling", {"schedules": [{"start": "0 8 * * *", "end": "0 18 * * MONDAYS"}]}),
+        "schedules[].end must be a 5-field cron expression",
+    ),
+    Case(
+        "window-start-is-end",
+        VALID_LLMSERVICE,
+        _set("scaling", {"schedules": [{"start": "0 8 * * *", "end": "0 8 * * *"}]}),
+        "schedules[].start and end must differ",
+    ),
+    Case(
+        "window-lead-too-long",
+        VALID_LLMSERVICE,
+        _set("scaling", {"schedules": [{"start": "0 8 * * *", "end": "0 18 * * *", "leadTime": "2h"}]}),
+        "schedules[].leadTime must be auto or a duration up to 1h",
+    ),
+    Case(
+        "window-more-replicas-than-max",
+        VALID_LLMSERVICE,
+        _set("scaling", {"max": 2, "schedules": [{"start": "0 8 * * *", "end": "0 18 * * *", "replicas": 3}]}),
+        "scaling.schedules[].replicas must not exceed scaling.max",
+    ),
     Case("unknown-engine", VALID_RUNTIME, _set("engine", "triton"), 'Unsupported value: "triton"', cel=False),
     Case(
         "unknown-vendor", VALID_RUNTIME, _set("accelerator", {"vendor": "tpu"}), 'Unsupported value: "tpu"', cel=False
@@ -227,3 +263,34 @@ def test_invalid_object_is_rejected_with_a_readable_message(validating: ControlP
         # The hooks parse with the same rule and must say the same thing.
         with pytest.raises(pydantic.ValidationError, match=re.escape(case.message)):
             model_for(obj).model_validate(obj)
+
+
+# Accepted by the API server (CEL cannot read the time zone database or compare a range's ends), so
+# the hooks refuse them: Ready=False InvalidSpec with this message, every child kept
+# (tests/hooks/test_schedules.py).
+HOOK_ONLY = [
+    ({"start": "0 8 * * *", "end": "0 18 * * *", "timeZone": "Mars/Olympus"}, "is not an IANA time zone"),
+    ({"start": "0 18-8 * * *", "end": "0 19 * * *"}, "range 18-8 runs backwards"),
+    ({"start": "*/15 8 * * *", "end": "0 18 * * *", "leadTime": "5m"}, "cannot move start"),
+]
+
+
+@pytest.mark.parametrize(("window", "message"), HOOK_ONLY, ids=["time-zone", "backwards-range", "unshiftable-lead"])
+def test_what_cel_cannot_check_is_admitted_and_refused_by_the_hooks(validating: ControlPlane, window: dict[str, Any],
+                                                                   message: str) -> None:
+    obj = copy.deepcopy(VALID_LLMSERVICE)
+    obj["spec"]["scaling"] = {"schedules": [window]}
+    ok, output = server_create(validating, obj)
+    assert ok, output
+    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
+        LLMService.model_validate(obj)
+
+
+def test_a_valid_window_is_admitted(validating: ControlPlane) -> None:
+    obj = copy.deepcopy(VALID_LLMSERVICE)
+    obj["spec"]["scaling"] = {"max": 2, "schedules": [
+        {"start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "timeZone": "Europe/Berlin", "replicas": 2, "leadTime": "auto"},
+        {"start": "*/30 9-17 1,15 jan-jun ?", "end": "59 23 * * SUN", "leadTime": "0s"}]}
+    ok, output = server_create(validating, obj)
+    assert ok, output
+    LLMService.model_validate(obj)

@@ -1,0 +1,153 @@
+"""Warm windows (`scaling.schedules`): cron expressions checked as KEDA's parser would, lead times
+shifted into an equivalent earlier expression, and the cron triggers the ScaledObject carries."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from typing import Any
+
+import pydantic
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as hs
+
+from hooks.api import LLMService, cron
+from hooks.controller import autoscaling
+from hooks.controller.sync import sync
+from tests.hooks import helpers as h
+from tests.hooks.golden_cases import MEASURED_COLD_START
+
+
+def window(**fields: Any) -> dict[str, Any]:
+    return {"start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", **fields}
+
+
+def service(*windows: dict[str, Any], status: dict | None = None, **scaling: Any) -> dict[str, Any]:
+    return h.llmservice(scaling={"min": 0, "max": 3, **scaling, "schedules": list(windows)}, status=status)
+
+
+def cron_triggers(svc: dict[str, Any]) -> list[dict[str, Any]]:
+    (so,) = autoscaling.sync(h.decorator_request(svc), h.config())["attachments"]
+    return [t for t in so["spec"]["triggers"] if t["type"] == "cron"]
+
+
+@pytest.mark.parametrize("expr", ["0 8 * * MON-FRI", "*/15 9-17 * * 1-5", "5/10 0-23/2 1,15 jan-DEC sun", "0 0 1 1 ?",
+                                  "59 23 31 12 6", "00 08 * * *"])
+def test_expressions_keda_accepts_are_accepted(expr: str) -> None:
+    assert cron.problem(expr) is None
+    assert re.match(cron.CRON_RE, expr)
+
+
+@pytest.mark.parametrize(("expr", "why"), [
+    ("0 8 * *", "needs 5 fields"),
+    ("0 8 * * * *", "needs 5 fields"),
+    ("60 8 * * *", "minute: 60 is outside 0-59"),
+    ("0 24 * * *", "hour: 24 is outside 0-23"),
+    ("0 8 0 * *", "day of month: 0 is outside 1-31"),
+    ("0 8 * 13 *", "month: 13 is outside 1-12"),
+    ("0 8 * * 7", "day of week: 7 is outside 0-6"),
+    ("0 8 * * FUNDAY", "day of week: 'FUNDAY' is not a number"),
+    ("0 18-8 * * *", "hour: range 18-8 runs backwards"),
+    ("*/0 8 * * *", "minute: step must be at least 1"),
+    ("0 8 * * @", "day of week: '@' is not"),
+])
+def test_expressions_keda_refuses_are_refused_with_the_field_named(expr: str, why: str) -> None:
+    assert why in (cron.problem(expr) or "")
+
+
+def test_the_admission_regex_never_refuses_what_the_parser_accepts() -> None:
+    # Backwards ranges and zero steps pass the regex (the hooks report them); nothing valid fails it.
+    for expr in ["0 18-8 * * *", "*/0 8 * * *"]:
+        assert re.match(cron.CRON_RE, expr) and cron.problem(expr)
+
+
+def _week_minutes(start: datetime) -> list[datetime]:
+    return [start + timedelta(minutes=i) for i in range(7 * 24 * 60)]
+
+
+def _fires(expr: str) -> Any:
+    fields = cron.parse(expr)
+    parts = expr.split()
+    dom_any, dow_any = parts[2] in ("*", "?"), parts[4] in ("*", "?")
+
+    def at(t: datetime) -> bool:
+        return cron.fires_at(fields, t.minute, t.hour, t.day, t.month, (t.weekday() + 1) % 7,
+                             dom_any=dom_any, dow_any=dow_any)
+    return at
+
+
+starts = hs.tuples(
+    hs.integers(0, 59),
+    hs.lists(hs.integers(0, 23), min_size=1, max_size=3, unique=True),
+    hs.sampled_from(["*", "1-5", "MON,WED,FRI", "0", "6", "SUN-SAT"]),
+    hs.sampled_from(["*", "1", "1,15"]),
+).map(lambda p: f"{p[0]} {','.join(map(str, sorted(p[1])))} {p[3]} * {p[2]}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(starts, hs.integers(1, 24 * 60 - 1))
+def test_a_shifted_start_fires_exactly_lead_minutes_before_every_original_firing(expr: str, lead: int) -> None:
+    shifted = cron.shift_earlier(expr, lead)
+    assume(shifted is not None)
+    assert cron.problem(shifted) is None
+    original, earlier = _fires(expr), _fires(shifted)
+    # A week that includes a month boundary (Jan 31 → Feb 1), a Sunday → Monday and a Saturday.
+    for t in _week_minutes(datetime(2027, 1, 28)):
+        assert earlier(t) == original(t + timedelta(minutes=lead)), (expr, lead, shifted, t)
+
+
+def test_what_cannot_be_shifted_is_refused_not_approximated() -> None:
+    assert cron.shift_earlier("*/15 8 * * *", 10) is None  # several minutes
+    assert cron.shift_earlier("10 0 1 * *", 30) is None  # crosses midnight with a pinned day of month
+    assert cron.shift_earlier("30 0,12 * * *", 31) is None  # one firing crosses midnight, the other not
+    assert cron.shift_earlier("0 8 * * MON-FRI", 0) == "0 8 * * MON-FRI"
+    assert cron.shift_earlier("0 0 * * MON", 1) == "59 23 * * 0"
+
+
+def test_rendered_windows_are_cron_triggers_beside_the_demand_trigger() -> None:
+    triggers = cron_triggers(service(window(replicas=2, timeZone="Asia/Tokyo")))
+    assert triggers == [{"type": "cron", "name": "warm-window-0", "metricType": "AverageValue",
+                         "metadata": {"timezone": "Asia/Tokyo", "start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI",
+                                      "desiredReplicas": "2"}}]
+
+
+def test_lead_time_auto_follows_the_last_measured_cold_start() -> None:
+    assert cron_triggers(service(window(leadTime="auto")))[0]["metadata"]["start"] == "0 8 * * MON-FRI"  # none yet
+    measured = {**MEASURED_COLD_START, "total": "83s"}
+    assert cron_triggers(service(window(leadTime="auto"), status={"lastColdStart": measured}))[0]["metadata"][
+        "start"] == "58 7 * * MON-FRI"
+    slow = {**MEASURED_COLD_START, "total": "7200s"}  # capped at an hour
+    assert cron_triggers(service(window(leadTime="auto"), status={"lastColdStart": slow}))[0]["metadata"][
+        "start"] == "0 7 * * MON-FRI"
+    assert cron_triggers(service(window(leadTime="90s")))[0]["metadata"]["start"] == "58 7 * * MON-FRI"
+
+
+def test_the_autoscaling_condition_says_when_windows_open() -> None:
+    status = {"lastColdStart": MEASURED_COLD_START}
+    answer = sync(h.sync_request(service(window(leadTime="auto", timeZone="Europe/Berlin"), status=status)), h.config())
+    cond = next(c for c in answer["status"]["conditions"] if c["type"] == "AutoscalingReady")
+    assert cond["status"] == "True"
+    assert "warm windows hold 1 from '0 8 * * MON-FRI' to '0 18 * * MON-FRI' Europe/Berlin, opening 2m early" in cond["message"]
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (window(timeZone="Mars/Olympus"), "schedules[].timeZone 'Mars/Olympus' is not an IANA time zone"),
+    (window(start="0 18-8 * * *"), "schedules[].start '0 18-8 * * *': hour: range 18-8 runs backwards"),
+    (window(start="*/15 8 * * *", leadTime="5m"), "cannot move start '*/15 8 * * *' earlier"),
+    (window(start="30 0,12 * * *", leadTime="auto"), "cannot move start '30 0,12 * * *' earlier"),
+    (window(start="61 8 * * *"), "schedules[].start must be a 5-field cron expression"),
+    (window(end="0 8 * * MON-FRI"), "schedules[].start and end must differ"),
+    (window(leadTime="2h"), "schedules[].leadTime must be auto or a duration up to 1h"),
+    (window(replicas=4), "scaling.schedules[].replicas must not exceed scaling.max"),
+])
+def test_bad_windows_are_refused_and_the_hook_keeps_every_child(bad: dict[str, Any], message: str) -> None:
+    svc = service(bad)
+    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
+        LLMService.model_validate(svc)
+    # What CEL cannot check reaches the hook: Ready=False InvalidSpec with the same words, children kept.
+    good = sync(h.sync_request(service(window())), h.config())["children"]
+    answer = sync(h.sync_request(svc, children=h.observe_all(good)), h.config())
+    ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and message in ready["message"]
+    assert len(answer["children"]) == len(good)
