@@ -85,13 +85,17 @@ class Activation:
         return self.pod.any(LEASE_ACTIVE)
 
     # -- transitions -----------------------------------------------------------------------
-    def cold_admission(self) -> float:
-        """A request found the backend not ready: start/extend the lease; returns its deadline."""
+    def cold_admission(self, arrived: float | None = None) -> float:
+        """A request found the backend not ready: start/extend the lease; returns its deadline.
+
+        ``arrived`` is when that request reached the gateway: an activation is timed from there,
+        since its demand may have been pushed while its body was still being read."""
         now = self.clock()
         if self.lease.state is LeaseState.IDLE:  # a new activation (as far as this worker knows)
             self._ready_at = None
-            if self._timing is None and self.pod.claim_activation(now, self._stale_after):
-                self._timing = now
+            start = min(now, arrived) if arrived is not None else now
+            if self._timing is None and self.pod.claim_activation(start, self._stale_after):
+                self._timing = start
         deadline = self.lease.cold_admission(now)
         self.metrics.cold_requests.inc()
         self.publish()

@@ -35,9 +35,9 @@ REJECTION_REASONS = (
 )
 ACTIVATION_BUCKETS = (1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900)
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# Phases of one activation of the Pod, in order (label `phase`): the first cold admission until the
-# demand reached KEDA (or the aggregator), then until this Pod saw the backend Ready, then until the
-# first byte of a held request's answer was forwarded.
+# Phases of one activation of the Pod, in order (label `phase`): the first cold request's arrival
+# until the demand reached KEDA (or the aggregator), then until this Pod saw the backend Ready, then
+# until the first byte of a held request's answer was forwarded.
 ACTIVATION_PHASES = ("admission_to_push", "push_to_ready", "ready_to_first_byte")
 PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600, 900)
 # Time to first token as the client saw it: both a warm answer (milliseconds) and a cold one (minutes).
@@ -183,14 +183,14 @@ class _PodCollector:
         yield GaugeMetricFamily("noctaya_gateway_draining", "1 after SIGTERM.", value=1.0 if pod.any(DRAINING) else 0.0)
         yield GaugeMetricFamily("noctaya_gateway_workers", "Worker processes of this gateway Pod.", value=pod.workers)
         yield self._histogram("noctaya_gateway_activation_duration_seconds",
-                              "From the first cold admission of an activation of this gateway Pod to backend "
+                              "From the first cold request of an activation of this gateway Pod to backend "
                               "readiness seen (once per activation, whichever worker admitted it).",
                               _ACTIVATION, ACTIVATION_BUCKETS)
         yield self._histogram("noctaya_gateway_time_to_first_byte_seconds",
                               "From the start of forwarding to the backend's response head.", _TTFB, TTFB_BUCKETS)
         yield self._labelled("noctaya_gateway_activation_phase_seconds",
-                             "One activation of this gateway Pod, per phase: first cold admission to demand pushed "
-                             "active, pushed to backend Ready seen, Ready to the first byte of a held answer forwarded.",
+                             "One activation of this gateway Pod, per phase: first cold request's arrival to demand "
+                             "pushed active, pushed to backend Ready seen, Ready to the first byte of a held answer forwarded.",
                              "phase", ACTIVATION_PHASES, _PHASES, _PHASE_STRIDE, PHASE_BUCKETS)
         yield self._labelled("noctaya_gateway_time_to_first_token_seconds",
                              "From a request's arrival to the first byte of the backend's answer leaving the gateway "

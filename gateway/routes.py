@@ -422,7 +422,7 @@ class GatewayApp:
         if self.config.cold_mode == "reject":
             if ticket is not None:
                 ticket.release()
-            activation.cold_admission()  # the lease still wakes the backend
+            activation.cold_admission(conn.received_at)  # the lease still wakes the backend
             return self._error(conn, "cold_reject", self._retry_503)
         if ticket is None:
             ticket = activation.slots.try_admit(in_flight=False)
@@ -447,7 +447,7 @@ class GatewayApp:
         except BaseException:
             ticket.release()
             raise
-        deadline = activation.cold_admission()
+        deadline = activation.cold_admission(conn.received_at)
         conn.arm_watch()
         try:
             if is_stream_request(body):

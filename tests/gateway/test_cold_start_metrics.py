@@ -142,3 +142,36 @@ def test_a_worker_that_died_holding_the_claim_does_not_stop_timing_for_good() ->
     assert pod.claim_activation(10.0, stale_after=30.0)  # worker 0 claims, then dies
     assert not pod.claim_activation(20.0, stale_after=30.0)
     assert pod.claim_activation(41.0, stale_after=30.0)
+
+
+def test_an_activation_is_timed_from_the_request_even_when_its_body_comes_late(
+        backend: FakeBackend, channel_factory) -> None:
+    # The request is admitted (and its demand pushed) when its head arrives; its body takes 0.8 s more.
+    # The push must not be seen as before the activation began (it was, once: nothing was observed).
+    import socket
+
+    gw = GatewayProcess(backend, NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60")
+    try:
+        stub = pb_grpc.ExternalScalerStub(channel_factory(gw.scaler_port))
+        pushes: queue.Queue = queue.Queue()
+        read_stream(stub, pushes)
+        assert pushes.get(timeout=10)[1] is False
+        body = b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}'
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as sock:
+            sent = time.monotonic()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            at, value = pushes.get(timeout=10)
+            assert value is True and at - sent < 0.8  # pushed while the body is still on its way
+            time.sleep(0.8)
+            sock.sendall(body)
+            backend.start()
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        m = wait_for(lambda: (lambda s: s if s.get("noctaya_gateway_activation_phase_seconds_count[push_to_ready]") else None)(scrape(gw)),
+                     timeout=10, what="the activation observed")
+        assert m["noctaya_gateway_activation_phase_seconds_count[admission_to_push]"] == 1, m
+        assert 0 <= m["noctaya_gateway_activation_phase_seconds_sum[admission_to_push]"] <= at - sent + 0.05, m
+        assert m["noctaya_gateway_activation_phase_seconds_sum[push_to_ready]"] >= 0.8, m
+    finally:
+        gw.stop()
