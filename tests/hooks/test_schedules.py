@@ -151,3 +151,11 @@ def test_bad_windows_are_refused_and_the_hook_keeps_every_child(bad: dict[str, A
     ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and message in ready["message"]
     assert len(answer["children"]) == len(good)
+
+
+def test_eight_windows_are_the_limit() -> None:
+    eight = [window(start=f"0 {h} * * *", end=f"30 {h} * * *") for h in range(8)]
+    LLMService.model_validate(service(*eight))
+    assert len(cron_triggers(service(*eight))) == 8
+    with pytest.raises(pydantic.ValidationError, match="at most 8 items"):
+        LLMService.model_validate(service(*eight, window(start="0 9 * * *", end="30 9 * * *")))

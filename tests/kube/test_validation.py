@@ -224,6 +224,13 @@ CASES = [
         _set("scaling", {"max": 2, "schedules": [{"start": "0 8 * * *", "end": "0 18 * * *", "replicas": 3}]}),
         "scaling.schedules[].replicas must not exceed scaling.max",
     ),
+    Case(
+        "nine-windows",
+        VALID_LLMSERVICE,
+        _set("scaling", {"schedules": [{"start": f"0 {h} * * *", "end": f"30 {h} * * *"} for h in range(9)]}),
+        "must have at most 8 items",
+        cel=False,
+    ),
     Case("unknown-engine", VALID_RUNTIME, _set("engine", "triton"), 'Unsupported value: "triton"', cel=False),
     Case(
         "unknown-vendor", VALID_RUNTIME, _set("accelerator", {"vendor": "tpu"}), 'Unsupported value: "tpu"', cel=False
@@ -287,6 +294,10 @@ def test_what_cel_cannot_check_is_admitted_and_refused_by_the_hooks(validating: 
 
 
 def test_a_valid_window_is_admitted(validating: ControlPlane) -> None:
+    eight = copy.deepcopy(VALID_LLMSERVICE)
+    eight["spec"]["scaling"] = {"schedules": [{"start": f"0 {h} * * *", "end": f"30 {h} * * *"} for h in range(8)]}
+    ok, output = server_create(validating, eight)
+    assert ok, output  # the limit itself is admitted (nine are not: the nine-windows case)
     obj = copy.deepcopy(VALID_LLMSERVICE)
     obj["spec"]["scaling"] = {"max": 2, "schedules": [
         {"start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "timeZone": "Europe/Berlin", "replicas": 2, "leadTime": "auto"},
