@@ -139,14 +139,3 @@ def shift_earlier(expr: str, minutes: int) -> str | None:
             dow = ",".join(str(d) for d in sorted((d - 1) % 7 for d in fields[4]))
     return f"{new_minute} {new_hours} {dom} {month} {dow}"
 
-
-def fires_at(fields: list[set[int]], minute: int, hour: int, day: int, month: int, weekday: int, *,
-             dom_any: bool, dow_any: bool) -> bool:
-    """Whether a parsed expression fires at that minute (cron's rule: when both day fields are
-    restricted, either may match)."""
-    if minute not in fields[0] or hour not in fields[1] or month not in fields[3]:
-        return False
-    dom_ok, dow_ok = day in fields[2], weekday in fields[4]
-    if dom_any or dow_any:
-        return dom_ok and dow_ok
-    return dom_ok or dow_ok

@@ -297,8 +297,7 @@ class WarmWindow(ApiModel):
             raise ValueError(f"schedules[].timeZone {self.time_zone!r} is not an IANA time zone "
                              "(e.g. Europe/Berlin, America/New_York, UTC)")
         if self.lead_time is not None:
-            leads = range(1, MAX_LEAD_SECONDS // 60 + 1) if self.lead_time == "auto" \
-                else [lead_minutes(duration_seconds(self.lead_time))]
+            leads = range(1, MAX_LEAD_SECONDS // 60 + 1) if self.lead_time == "auto" else [self.lead(None)]
             if any(cron.shift_earlier(self.start, m) is None for m in leads):
                 raise ValueError(
                     f"schedules[].leadTime {self.lead_time} cannot move start {self.start!r} earlier as one cron "
@@ -306,13 +305,13 @@ class WarmWindow(ApiModel):
                     "if the lead can cross midnight), or write the earlier start yourself")
         return self
 
-    def lead_seconds(self, measured: float | None) -> int:
-        """Minutes × 60 by which this window opens early; `auto` uses the measured cold start."""
+    def lead(self, measured: float | None) -> int:
+        """Minutes by which this window opens early; `auto` uses the measured cold start (seconds)."""
         if self.lead_time is None:
             return 0
         if self.lead_time == "auto":
-            return 60 * lead_minutes(measured) if measured else 0
-        return 60 * lead_minutes(duration_seconds(self.lead_time))
+            return lead_minutes(measured) if measured else 0
+        return lead_minutes(duration_seconds(self.lead_time))
 
 
 class Scaling(ApiModel):

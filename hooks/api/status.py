@@ -78,7 +78,16 @@ class Condition(_StatusModel):
 _CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 
 
-BackendPhase = Literal["ScaledToZero", "Scheduling", "Initializing", "PullingImage", "LoadingModel", "NotReady", "Ready"]
+class BackendPhase(StrEnum):
+    """Where the backend is (hooks.controller.coldstart says how each is read from the Pods)."""
+
+    SCALED_TO_ZERO = "ScaledToZero"
+    SCHEDULING = "Scheduling"
+    INITIALIZING = "Initializing"
+    PULLING_IMAGE = "PullingImage"
+    LOADING_MODEL = "LoadingModel"
+    NOT_READY = "NotReady"
+    READY = "Ready"
 _SECONDS = {"pattern": r"^[0-9]+s$"}
 
 

@@ -31,23 +31,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
+from hooks.api.status import BackendPhase, ColdStart
 from hooks.resources.prewarm import WAIT_CONTAINER
 from hooks.runtime.pod import CONTAINER_NAME
 
 _NEVER = datetime.max.replace(tzinfo=UTC)
 
 
-class Phase(StrEnum):
-    SCALED_TO_ZERO = "ScaledToZero"
-    SCHEDULING = "Scheduling"
-    INITIALIZING = "Initializing"
-    PULLING_IMAGE = "PullingImage"
-    LOADING_MODEL = "LoadingModel"
-    NOT_READY = "NotReady"
-    READY = "Ready"
+Phase = BackendPhase  # the status model owns the names (and so the CRD's enum)
 
 
 # How far along a Pod is: the service shows its most advanced Pod while none is Ready.
@@ -105,7 +98,8 @@ def pod_phase(pod: dict[str, Any]) -> PodPhase:
     ready = _true_since(conds, "Ready")
     if ready is not None:
         return PodPhase(Phase.READY, ready, name)
-    running = ((_serving_status(pod).get("state") or {}).get("running") or {}).get("startedAt")
+    engine = _serving_status(pod)
+    running = ((engine.get("state") or {}).get("running") or {}).get("startedAt")
     if isinstance(running, str) and running:
         # Ready went False after the container started: it served and lost readiness (an overloaded
         # engine, a failing probe). A fresh or restarted container started after Ready last changed.
@@ -115,7 +109,7 @@ def pod_phase(pod: dict[str, Any]) -> PodPhase:
             return PodPhase(Phase.NOT_READY, conds["Ready"]["lastTransitionTime"], name)
         return PodPhase(Phase.LOADING_MODEL, running, name)
     initialized = _true_since(conds, "Initialized")
-    ended = (((_serving_status(pod).get("lastState") or {}).get("terminated")) or {}).get("finishedAt")
+    ended = ((engine.get("lastState") or {}).get("terminated") or {}).get("finishedAt")
     if initialized is not None and isinstance(ended, str) and ended:
         # The engine ran and exited (a crash, an OOM kill): the kubelet restarts it to load again.
         return PodPhase(Phase.LOADING_MODEL, ended, name)
@@ -190,17 +184,11 @@ def cold_start(pod: dict[str, Any]) -> dict[str, Any] | None:
             done = (s.get("state") or {}).get("terminated") or {}
             wait = seconds(done.get("startedAt"), done.get("finishedAt")) or 0
     wait = min(wait, init)
-    return {
-        "pod": _name(pod),
-        "startedAt": created,
-        "readyAt": ready,
-        "scheduling": _fmt(scheduling),
-        "initialization": _fmt(init - wait),
-        "weightsWait": _fmt(wait),
-        "imagePull": _fmt(pull),
-        "modelLoad": _fmt(load),
-        "total": _fmt(total),
-    }
+    return ColdStart(
+        pod=_name(pod), started_at=created, ready_at=ready, scheduling=_fmt(scheduling),
+        initialization=_fmt(init - wait), weights_wait=_fmt(wait), image_pull=_fmt(pull), model_load=_fmt(load),
+        total=_fmt(total),
+    ).wire()
 
 
 def timeline(

@@ -222,7 +222,7 @@ def _windows_text(ctx: RenderContext) -> str:
     cold-start record)."""
     parts = []
     for window in ctx.service.spec.scaling.schedules:
-        lead = window.lead_seconds(ctx.measured_cold_start) // 60
+        lead = window.lead(ctx.measured_cold_start)
         text = f"{window.replicas} from '{window.start}' to '{window.end}' {window.time_zone}"
         if lead:
             text += f", opening {lead}m early"

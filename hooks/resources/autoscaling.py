@@ -72,7 +72,7 @@ def warm_window_triggers(ctx: RenderContext) -> list[dict[str, Any]]:
     measured = ctx.measured_cold_start
     out = []
     for index, window in enumerate(ctx.service.spec.scaling.schedules):
-        lead = window.lead_seconds(measured) // 60
+        lead = window.lead(measured)
         start = cron.shift_earlier(window.start, lead)
         if start is None:  # refused at validation; never render a window that opens late
             start = window.start

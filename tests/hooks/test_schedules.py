@@ -62,6 +62,18 @@ def test_the_admission_regex_never_refuses_what_the_parser_accepts() -> None:
         assert re.match(cron.CRON_RE, expr) and cron.problem(expr)
 
 
+def fires_at(fields: list[set[int]], minute: int, hour: int, day: int, month: int, weekday: int, *,
+             dom_any: bool, dow_any: bool) -> bool:
+    """Whether a parsed expression fires at that minute (cron's rule: when both day fields are
+    restricted, either may match)."""
+    if minute not in fields[0] or hour not in fields[1] or month not in fields[3]:
+        return False
+    dom_ok, dow_ok = day in fields[2], weekday in fields[4]
+    if dom_any or dow_any:
+        return dom_ok and dow_ok
+    return dom_ok or dow_ok
+
+
 def _week_minutes(start: datetime) -> list[datetime]:
     return [start + timedelta(minutes=i) for i in range(7 * 24 * 60)]
 
@@ -72,7 +84,7 @@ def _fires(expr: str) -> Any:
     dom_any, dow_any = parts[2] in ("*", "?"), parts[4] in ("*", "?")
 
     def at(t: datetime) -> bool:
-        return cron.fires_at(fields, t.minute, t.hour, t.day, t.month, (t.weekday() + 1) % 7,
+        return fires_at(fields, t.minute, t.hour, t.day, t.month, (t.weekday() + 1) % 7,
                              dom_any=dom_any, dow_any=dow_any)
     return at
 
