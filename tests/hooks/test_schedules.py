@@ -171,3 +171,12 @@ def test_eight_windows_are_the_limit() -> None:
     assert len(cron_triggers(service(*eight))) == 8
     with pytest.raises(pydantic.ValidationError, match="at most 8 items"):
         LLMService.model_validate(service(*eight, window(start="0 9 * * *", end="30 9 * * *")))
+
+
+def test_lead_time_and_replicas_at_their_limits_are_accepted() -> None:
+    at_limit = service(window(leadTime="1h", replicas=3), max=3)
+    LLMService.model_validate(at_limit)
+    (trigger,) = cron_triggers(at_limit)
+    assert trigger["metadata"]["start"] == "0 7 * * MON-FRI" and trigger["metadata"]["desiredReplicas"] == "3"
+    with pytest.raises(pydantic.ValidationError, match="up to 1h"):
+        LLMService.model_validate(service(window(leadTime="3601s")))
