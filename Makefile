@@ -1,4 +1,4 @@
-# Two commands matter: `make demo` (the main job) and `make test` (the suite CI runs).
+# Two commands matter: `make demo` (the main job) and `make test` (the suite CI runs; then `make e2e`).
 # Each creates the virtualenv it needs on a fresh machine.
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,15 +14,20 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP)
 
+# Before pytest, outside every per-test timeout: build or fetch the third-party programs the target's
+# tests need (etcd, kube-apiserver, helm, promtool, docker-registry; for e2e also kwok, KEDA's operator,
+# Metacontroller), with progress lines; cached after the first run (tests/setup.py, docs/install.md).
 # pytest exits 5 when it collected nothing: that is a broken suite, so say it and fail loudly.
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m tests.setup test
 	$(PY) -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; failing" >&2; exit 1; fi; exit $$rc
 
 # The lifecycle suite: real kube-apiserver, real Metacontroller (built from ../shared's source into
 # ~/.cache), Noctaya's hook server; see tests/e2e/. Skips with the reason where a part cannot be had.
 e2e: $(STAMP)
+	$(PY) -m tests.setup e2e
 	NOCTAYA_E2E=1 $(PY) -m pytest -s tests/e2e; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make e2e: pytest collected no tests; failing" >&2; exit 1; fi; exit $$rc
 

@@ -9,6 +9,7 @@ them skip with the reason otherwise.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -49,24 +50,43 @@ class ThirdPartyUnavailable(Exception):
     """A skip reason."""
 
 
+class BuildFailed(ThirdPartyUnavailable):
+    """The tools were there but the build or download itself failed (the tests still skip with it; the
+    set-up step, tests/setup.py, fails on it)."""
+
+
 GO_BUILD_TIMEOUT_SECONDS = 1800
+# A build or download that failed once in this process fails again: do not spend another one on it.
+_FAILED: dict[str, ThirdPartyUnavailable] = {}
 
 
 def go_build_cached(binary: Path, cwd: Path, prepare: list[list[str]], package: str, **env: str) -> Path:
     """Build ``package`` (in the module at ``cwd``, after the ``prepare`` commands) into ``binary``,
-    atomically, unless it is already there. Raises ThirdPartyUnavailable with the reason."""
+    atomically, unless it is already there. Raises ThirdPartyUnavailable with the reason (BuildFailed
+    when a command failed). One build per binary at a time across processes (a lock file beside it)."""
     if binary.exists():
         return binary
     if shutil.which("go") is None:
         raise ThirdPartyUnavailable(f"Go not found: needed to build {package}")
+    if str(binary) in _FAILED:
+        raise _FAILED[str(binary)]
     binary.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    for argv in [*prepare, ["go", "build", "-trimpath", "-o", f"{binary}.tmp", package]]:
-        out = subprocess.run(argv, cwd=cwd, env=go_env(**env), capture_output=True, text=True,
-                             timeout=GO_BUILD_TIMEOUT_SECONDS, check=False)
-        if out.returncode != 0:
-            raise ThirdPartyUnavailable(f"`{' '.join(argv[:3])}` failed: {out.stderr.strip()[-500:]}")
-    os.replace(f"{binary}.tmp", binary)
+    with open(binary.parent / f".{binary.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another session building it: wait, then find it built
+        if binary.exists():
+            return binary
+        started = time.monotonic()
+        for argv in [*prepare, ["go", "build", "-trimpath", "-o", f"{binary}.tmp", package]]:
+            try:
+                out = subprocess.run(argv, cwd=cwd, env=go_env(**env), capture_output=True, text=True,
+                                     timeout=GO_BUILD_TIMEOUT_SECONDS, check=False)
+            except subprocess.TimeoutExpired:
+                _FAILED[str(binary)] = BuildFailed(f"`{' '.join(argv[:3])}` took over {GO_BUILD_TIMEOUT_SECONDS}s")
+                raise _FAILED[str(binary)] from None
+            if out.returncode != 0:
+                _FAILED[str(binary)] = BuildFailed(f"`{' '.join(argv[:3])}` failed: {out.stderr.strip()[-500:]}")
+                raise _FAILED[str(binary)]
+        os.replace(f"{binary}.tmp", binary)
     print(f"built {binary.name} in {time.monotonic() - started:.0f}s", file=sys.stderr)
     return binary
 
@@ -79,22 +99,36 @@ def _pinned(variable: str) -> str:
     raise KeyError(f"{variable} not pinned in {VERSIONS}")
 
 
-@functools.cache
 def module_dir(variable: str) -> Path:
-    """The unpacked module (``go mod download``; cached by Go, so only the first call fetches)."""
+    """The unpacked module (``go mod download``; cached by Go, so only the first call fetches).
+    Raises ThirdPartyUnavailable (BuildFailed when the download failed), the same one on every call."""
+    if variable in _FAILED:
+        raise _FAILED[variable]
+    try:
+        return _module_dir(variable)
+    except BuildFailed as exc:
+        _FAILED[variable] = exc
+        raise
+
+
+@functools.cache
+def _module_dir(variable: str) -> Path:
     if shutil.which("go") is None:
         raise ThirdPartyUnavailable(f"Go not found: needed to download {_pinned(variable)} for its CRDs")
     module = _pinned(variable)
     env = go_env()
-    out = subprocess.run(["go", "mod", "download", "-json", module], capture_output=True, text=True,
-                         timeout=600, cwd=REPO_ROOT / "tools", env=env)
+    try:
+        out = subprocess.run(["go", "mod", "download", "-json", module], capture_output=True, text=True,
+                             timeout=600, cwd=REPO_ROOT / "tools", env=env)
+    except subprocess.TimeoutExpired:
+        raise BuildFailed(f"cannot download {module}: `go mod download` took over 600s") from None
     try:
         info = json.loads(out.stdout)
     except ValueError:
         info = {}
     if out.returncode != 0 or "Dir" not in info:
         detail = info.get("Error") or out.stderr.strip()[-300:]
-        raise ThirdPartyUnavailable(f"cannot download {module}: {detail}")
+        raise BuildFailed(f"cannot download {module}: {detail}")
     return Path(info["Dir"])
 
 

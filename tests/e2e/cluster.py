@@ -23,12 +23,12 @@ import base64
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -39,37 +39,53 @@ from typing import Any
 import pytest
 import requests
 
-from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, cache_dir
+from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeBuildFailed, KubeUnavailable, cache_dir
 from tests.pki import make_ca, make_leaf
-from tests.third_party import SHARED_THIRD_PARTY, ThirdPartyUnavailable, go_build_cached
+from tests.third_party import SHARED_THIRD_PARTY, BuildFailed, ThirdPartyUnavailable, go_build_cached
 
 HOOK_HOST = "noctaya-hooks.noctaya-system.svc"
 HOOK_PORT = 8443
 METACONTROLLER_TARBALL_GLOB = "metacontroller-src-*.tar.gz"
 
 
-def metacontroller_binary() -> Path:
-    """Build (once, cached) and return Metacontroller. Raises KubeUnavailable with the reason."""
+def _metacontroller_source() -> tuple[Path, Path] | None:
+    """(source tarball, where its binary is built), or None without a copy of shared/ beside the clone."""
     tarballs = sorted((SHARED_THIRD_PARTY / "metacontroller").glob(METACONTROLLER_TARBALL_GLOB))
     if not tarballs:
+        return None
+    version = tarballs[-1].name.removeprefix("metacontroller-src-").removesuffix(".tar.gz")
+    return tarballs[-1], cache_dir().parent / f"metacontroller-{version}" / "bin" / "metacontroller"
+
+
+def metacontroller_binary_path() -> Path | None:
+    """Where Metacontroller is built (whether or not it is), or None when its source is absent."""
+    found = _metacontroller_source()
+    return found[1] if found else None
+
+
+def metacontroller_binary() -> Path:
+    """Build (once, cached) and return Metacontroller. Raises KubeUnavailable with the reason."""
+    found = _metacontroller_source()
+    if found is None:
         raise KubeUnavailable(f"Metacontroller's source is not in {SHARED_THIRD_PARTY / 'metacontroller'} (no Go module "
                               "serves it; a copy of shared/ beside the clone provides it)")
-    tarball = tarballs[-1]
+    tarball, binary = found
     version = tarball.name.removeprefix("metacontroller-src-").removesuffix(".tar.gz")
-    root = cache_dir().parent / f"metacontroller-{version}"
-    binary = root / "bin" / "metacontroller"
+    root = binary.parent.parent
     if binary.exists():
         return binary
-    src = root / "src"
-    shutil.rmtree(src, ignore_errors=True)
-    src.mkdir(parents=True)
-    with tarfile.open(tarball) as tar:
-        tar.extractall(src, filter="data")
-    (module,) = [p.parent for p in src.glob("*/go.mod")]
-    try:
-        return go_build_cached(binary, module, [], "./pkg/cmd/metacontroller")
-    except ThirdPartyUnavailable as exc:
-        raise KubeUnavailable(f"Metacontroller {version}: {exc}") from None
+    root.mkdir(parents=True, exist_ok=True)
+    # A source tree of this build's own (another session may be unpacking one too; -trimpath keeps
+    # the path out of the binary).
+    with tempfile.TemporaryDirectory(prefix="src-", dir=root) as src:
+        with tarfile.open(tarball) as tar:
+            tar.extractall(src, filter="data")
+        (module,) = [p.parent for p in Path(src).glob("*/go.mod")]
+        try:
+            return go_build_cached(binary, module, [], "./pkg/cmd/metacontroller")
+        except ThirdPartyUnavailable as exc:
+            error = KubeBuildFailed if isinstance(exc, BuildFailed) else KubeUnavailable
+            raise error(f"Metacontroller {version}: {exc}") from None
 
 
 def private_loopback_address(taken: set[str], port: int = HOOK_PORT) -> str:
@@ -333,6 +349,13 @@ class Cluster:
         ns = ["-n", namespace] if namespace else []
         out = self.kubectl(*ns, "get", kind, name, "-o", "json", "--ignore-not-found", check=True).stdout
         return json.loads(out) if out.strip() else None
+
+    def hook_calls_for(self, hook: str, obj: str) -> int:
+        """Answered calls of ``hook`` for the object ``namespace/name`` so far, from the hook server's
+        one log line per request (the metrics count every object together)."""
+        path = self.workdir / "hooks.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text.count(f'"hook":"{hook}","object":"{obj}"')
 
     def hook_calls(self) -> dict[str, float]:
         """Calls per hook so far, from the hook server's own metrics."""

@@ -169,13 +169,38 @@ def test_a_cold_start_shows_each_phase_live_and_keeps_its_breakdown_stable_acros
         assert header[:8] == ["NAME", "RUNTIME", "REPLICAS", "READY", "PHASE", "SINCE", "LAST", "COLD"], columns
         assert columns[1].split()[4] == "Ready" and columns[1].split()[-2] == "154s", columns
 
-        # A resync of the unchanged world: touch the Pod (a related object: Metacontroller syncs the
-        # parent) and check that the hook ran and the LLMService was not written.
+        # A resync of an unchanged, settled world writes nothing. Settled first: after the Pod turned
+        # Ready the ReplicaSet and Deployment controllers still update their status, and each update
+        # legitimately resyncs and rewrites the LLMService's conditions (BackendReady turns True). So:
+        # wait for BackendReady=True and for a whole sync of the parent that wrote nothing, then force
+        # another full sync and require that it, too, wrote nothing.
+        touches = iter(range(1, 1_000_000))
+
+        def full_sync() -> None:
+            """Touch the Pod (a related object) and return once a sync of this parent that began after
+            the touch has finished, status write included. Metacontroller works on one parent at a
+            time: with at most one sync in flight at the touch, the second sync answered after it began
+            after the touch, and the third began only once the second was done writing."""
+            target = cluster.hook_calls_for("llmservice_sync", f"{NS}/{NAME}") + 3
+            while (seen := cluster.hook_calls_for("llmservice_sync", f"{NS}/{NAME}")) < target:
+                cluster.kubectl("-n", NS, "annotate", "pod", pod["metadata"]["name"], "--overwrite",
+                                f"e2e.noctaya.io/touched={next(touches)}")
+                wait(f"Metacontroller syncs {NS}/{NAME} (call {seen + 1})",
+                     lambda n=seen: cluster.hook_calls_for("llmservice_sync", f"{NS}/{NAME}") > n, 30)  # type: ignore[misc]
+
+        wait("BackendReady=True (the Deployment counts the ready Pod)",
+             lambda: conditions(service()).get("BackendReady", "").startswith("True/"))
+        deadline = time.monotonic() + 90
+        while True:
+            version = service()["metadata"]["resourceVersion"]
+            full_sync()
+            if service()["metadata"]["resourceVersion"] == version:
+                timeline.note(f"settled: resourceVersion {version} unchanged across a full sync")
+                break
+            assert time.monotonic() < deadline, f"the LLMService never settled\n{timeline.text()}"
+
         before = service()
-        calls = cluster.hook_calls().get("llmservice_sync", 0.0)
-        cluster.kubectl("-n", NS, "annotate", "pod", pod["metadata"]["name"], "e2e.noctaya.io/touched=1")
-        wait("Metacontroller resyncs the parent", lambda: cluster.hook_calls().get("llmservice_sync", 0.0) > calls, 30)
-        time.sleep(2.0)  # any status write it would make lands well within this
+        full_sync()
         after = service()
         assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], timeline.text()
         assert json.dumps(after["status"], sort_keys=True) == json.dumps(before["status"], sort_keys=True)

@@ -49,6 +49,11 @@ class KubeUnavailable(Exception):
     """The test API server cannot be had on this machine; the message is the skip reason."""
 
 
+class KubeBuildFailed(KubeUnavailable):
+    """The tools were there but a build failed: the tests skip with it, the set-up step
+    (tests/setup.py) fails on it."""
+
+
 _FAILED_BUILDS: dict[Path, str] = {}
 
 
@@ -124,12 +129,12 @@ def _build(bin_dir: Path) -> Path:
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            raise KubeUnavailable(
+            raise KubeBuildFailed(
                 f"building the test API server took over {BUILD_TIMEOUT_SECONDS}s; see {log_path}"
             ) from None
     if proc.returncode != 0 or not _built(bin_dir):
         tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-        raise KubeUnavailable(
+        raise KubeBuildFailed(
             f"tools/kube-testenv/build.sh failed (exit {proc.returncode}) after "
             f"{time.monotonic() - started:.0f}s; see {log_path}: " + " | ".join(tail)
         )

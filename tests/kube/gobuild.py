@@ -8,10 +8,16 @@ import re
 import tempfile
 from pathlib import Path
 
-from tests.kube.apiserver import KubeUnavailable, _versions, cache_dir
-from tests.third_party import ThirdPartyUnavailable, go_build_cached, module_dir
+from tests.kube.apiserver import KubeBuildFailed, KubeUnavailable, _versions, cache_dir
+from tests.third_party import BuildFailed, ThirdPartyUnavailable, go_build_cached, module_dir
 
 _REPLACE_BLOCK = re.compile(r"^replace \($.*?^\)$|^replace [^(].*?$", re.M | re.S)
+
+
+def module_binary_path(variable: str, name: str) -> Path:
+    """Where ``module_binary`` builds ``name`` (whether or not it is built)."""
+    version = _versions()[variable].partition("@")[2]
+    return cache_dir().parent / f"{name}-{version}" / "bin" / name
 
 
 def module_binary(variable: str, package: str, name: str, *, keep_replaces: bool = False) -> Path:
@@ -23,7 +29,7 @@ def module_binary(variable: str, package: str, name: str, *, keep_replaces: bool
     Kubernetes libraries that way, as Kubernetes pins its staging modules (tools/kube-testenv/k8s).
     """
     module, _, version = _versions()[variable].partition("@")
-    binary = cache_dir().parent / f"{name}-{version}" / "bin" / name
+    binary = module_binary_path(variable, name)
     if binary.exists():
         return binary
     replaces = ""
@@ -31,7 +37,7 @@ def module_binary(variable: str, package: str, name: str, *, keep_replaces: bool
         try:
             own = (module_dir(variable) / "go.mod").read_text()
         except ThirdPartyUnavailable as exc:
-            raise KubeUnavailable(f"{module}@{version}: {exc}") from None
+            raise _kube_error(exc)(f"{module}@{version}: {exc}") from None
         replaces = "\n".join(block.group(0) for block in _REPLACE_BLOCK.finditer(own))
     with tempfile.TemporaryDirectory(prefix=f"noctaya-{name}-build-") as work:
         Path(work, "go.mod").write_text(f"module noctaya.test/{name}\n\ngo 1.26.0\n\n{replaces}\n")
@@ -39,7 +45,15 @@ def module_binary(variable: str, package: str, name: str, *, keep_replaces: bool
             return go_build_cached(binary, Path(work), [["go", "get", f"{package}@{version}"]], package,
                                    CGO_ENABLED="0")
         except ThirdPartyUnavailable as exc:
-            raise KubeUnavailable(f"{module}@{version}: {exc}") from None
+            raise _kube_error(exc)(f"{module}@{version}: {exc}") from None
+
+
+def _kube_error(exc: ThirdPartyUnavailable) -> type[KubeUnavailable]:
+    return KubeBuildFailed if isinstance(exc, BuildFailed) else KubeUnavailable
+
+
+def promtool_binary() -> Path:
+    return module_binary("PROMETHEUS_MODULE", "github.com/prometheus/prometheus/cmd/promtool", "promtool")
 
 
 def helm_binary() -> Path:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.kube.apiserver import KubeUnavailable
-from tests.kube.gobuild import module_binary
+from tests.kube.gobuild import promtool_binary
 from tests.kube.manifests import EXAMPLES_DIR, load_documents
 
 RULES = EXAMPLES_DIR / "observability" / "prometheusrule.yaml"
@@ -21,7 +21,7 @@ RULES = EXAMPLES_DIR / "observability" / "prometheusrule.yaml"
 @pytest.fixture(scope="module")
 def promtool() -> Path:
     try:
-        return module_binary("PROMETHEUS_MODULE", "github.com/prometheus/prometheus/cmd/promtool", "promtool")
+        return promtool_binary()
     except KubeUnavailable as exc:
         pytest.skip(str(exc))
 

@@ -1,6 +1,6 @@
 """A real OCI registry on 127.0.0.1 for the tests: Debian's `docker-registry` (the CNCF Distribution
-registry), installed by the test setup when missing (root and apt-get), skipped with the reason where
-it cannot be had."""
+registry), installed when missing (root and apt-get) by the set-up step before pytest starts
+(tests/setup.py, `make test`), skipped with the reason where it cannot be had."""
 
 from __future__ import annotations
 
@@ -18,14 +18,24 @@ import requests
 BINARY = "docker-registry"
 
 
-def ensure_registry_binary() -> str:
+class RegistryUnavailable(Exception):
+    """docker-registry cannot be had here; the message is the skip reason."""
+
+
+class RegistryInstallFailed(RegistryUnavailable):
+    """apt-get was there and allowed but the install failed (the tests skip with it; the set-up step,
+    tests/setup.py, fails on it)."""
+
+
+def install_registry_binary() -> str:
+    """docker-registry's path, installed with apt-get when missing (root only). Raises RegistryUnavailable."""
     found = shutil.which(BINARY)
     if found:
         return found
     if os.environ.get("NOCTAYA_SKIP_INSTALL") == "1":
-        pytest.skip("docker-registry is not installed and NOCTAYA_SKIP_INSTALL=1")
+        raise RegistryUnavailable("docker-registry is not installed and NOCTAYA_SKIP_INSTALL=1")
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry), and this user cannot install it")
+        raise RegistryUnavailable("docker-registry is not installed (apt-get install docker-registry), and this user cannot install it")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     done = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", BINARY], env=env,
                           capture_output=True, text=True, timeout=600)
@@ -35,8 +45,16 @@ def ensure_registry_binary() -> str:
                               capture_output=True, text=True, timeout=600) if update.returncode == 0 else update
     found = shutil.which(BINARY)
     if not found:
-        pytest.skip(f"docker-registry could not be installed: {done.stderr.strip()[-300:]}")
+        raise RegistryInstallFailed(f"docker-registry could not be installed: {done.stderr.strip()[-300:]}")
     return found
+
+
+def ensure_registry_binary() -> str:
+    """docker-registry's path (installed before pytest by tests/setup.py); skips with the reason."""
+    try:
+        return install_registry_binary()
+    except RegistryUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def free_port() -> int:
