@@ -433,7 +433,7 @@ def held_connections(count: int) -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 2 * count + 1000)), hard))
     gw = Gateway(f"http://127.0.0.1:{dead_port}", NOCTAYA_MAX_QUEUE=str(count + 10),
-                 NOCTAYA_MAX_CONNECTIONS=str(count + 100),
+                 NOCTAYA_MAX_CONNECTIONS=str(count + 100), NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS="0",  # one client address
                  NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="120", NOCTAYA_HEARTBEAT_SECONDS="10")
     socks: list[socket.socket] = []
     request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"

@@ -22,7 +22,7 @@ import gevent.event
 from gateway.metrics import GatewayMetrics
 from gateway.state.admission import AdmissionSlots
 from gateway.state.lease import ActivationLease, LeaseEnd, LeaseState
-from gateway.state.pod import LEASE_ACTIVE, PodState
+from gateway.state.pod import PodState
 from gateway.state.readiness import BackendReadiness, ProbeResult, ReadinessProber
 from scaler.demand import Demand
 
@@ -49,7 +49,9 @@ class Activation:
         self.metrics = metrics
         self.pod: PodState = metrics.pod
         self.row = metrics.row
-        self.slots = AdmissionSlots(max_queue, on_change=self.publish, max_held_bytes=max_held_bytes, pod=self.pod)
+        self.worker = self.row.index
+        self.slots = AdmissionSlots(max_queue, on_change=self.publish, max_held_bytes=max_held_bytes, pod=self.pod,
+                                    worker=self.worker)
         self.lease = ActivationLease(activation_timeout, ready_grace)
         self.readiness = BackendReadiness()
         # Set while the backend is believed ready: waiters block on it (with their own deadline).
@@ -80,10 +82,6 @@ class Activation:
         """This worker's demand."""
         return Demand(self.slots.queued, self.slots.in_flight, self.lease.active)
 
-    @property
-    def pod_lease_active(self) -> bool:
-        return self.pod.any(LEASE_ACTIVE)
-
     # -- transitions -----------------------------------------------------------------------
     def cold_admission(self, arrived: float | None = None) -> float:
         """A request found the backend not ready: start/extend the lease; returns its deadline.
@@ -94,7 +92,7 @@ class Activation:
         if self.lease.state is LeaseState.IDLE:  # a new activation (as far as this worker knows)
             self._ready_at = None
             start = min(now, arrived) if arrived is not None else now
-            if self._timing is None and self.pod.claim_activation(start, self._stale_after):
+            if self._timing is None and self.pod.claim_activation(start, self._stale_after, self.worker):
                 self._timing = start
         deadline = self.lease.cold_admission(now)
         self.metrics.cold_requests.inc()

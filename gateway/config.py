@@ -57,10 +57,22 @@ class GatewayConfig:
     upstream_connect_timeout_seconds: float = 3.0
     upstream_idle_timeout_seconds: float = 600.0
     client_idle_timeout_seconds: float = 120.0
+    # Head + body of one request, from its first byte: 8 MiB in 60 s is 140 KB/s, which a client on
+    # a slow link meets; a slowloris does not hold its connection (or anything else) longer.
+    client_request_timeout_seconds: float = 60.0
     max_connections: int = 4096
+    # None = half of max_connections (one address never takes the whole pool); 0 = no cap.
+    max_connections_per_address: int | None = None
     max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
     gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
+
+    @property
+    def connections_per_address(self) -> int:
+        """The per-address cap in force (0 = none)."""
+        if self.max_connections_per_address is None:
+            return max(1, self.max_connections // 2)
+        return self.max_connections_per_address
 
     @property
     def backend_host(self) -> str:
@@ -194,7 +206,9 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upstream_connect_timeout_seconds": _pos_float,
     "upstream_idle_timeout_seconds": _pos_float,
     "client_idle_timeout_seconds": _pos_float,
+    "client_request_timeout_seconds": _pos_float,
     "max_connections": _pos_int,
+    "max_connections_per_address": _nonneg_int,
     "max_held_body_bytes": _pos_int,
     "log_level": _choice("debug", "info", "warning", "error"),
     "gateway_workers": _pos_int,
@@ -210,6 +224,9 @@ _HELP = {
     "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
     "aggregator_ca_file": "CA that verifies the aggregator's certificate (its URL must then be https://)",
     "backend_accelerators": "accelerators one backend replica requests; exported for accelerator-hours",
+    "client_request_timeout_seconds": "deadline for one request's head and body, from its first byte (408 beyond)",
+    "max_connections_per_address": "open public connections one client address may hold per worker (429 beyond); "
+                                   "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["REASONS", "GatewayError", "error_body", "sse_error_frame", "ERRORS", "NO_RETRY"]
+__all__ = ["GatewayError", "error_body", "sse_error_frame", "ERRORS", "NO_RETRY"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,24 +23,6 @@ class GatewayError:
     code: str
     message: str
 
-    @property
-    def status_line(self) -> str:
-        return f"{self.status} {REASONS[self.status]}"
-
-
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    413: "Payload Too Large",
-    414: "URI Too Long",
-    431: "Request Header Fields Too Large",
-    429: "Too Many Requests",
-    502: "Bad Gateway",
-    503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
 
 ERRORS: dict[str, GatewayError] = {
     "unauthorized": GatewayError(
@@ -53,6 +35,17 @@ ERRORS: dict[str, GatewayError] = {
         431, "invalid_request_error", "headers_too_large", "Request headers too large or too many."
     ),
     "bad_request": GatewayError(400, "invalid_request_error", "bad_request", "Malformed request."),
+    "invalid_json": GatewayError(
+        400, "invalid_request_error", "invalid_json",
+        "The request body is not a JSON object the gateway can accept (malformed, or nested too deeply).",
+    ),
+    "request_timeout": GatewayError(
+        408, "invalid_request_error", "request_timeout", "The request was not received in time."
+    ),
+    "too_many_connections": GatewayError(
+        429, "rate_limit_error", "too_many_connections",
+        "Too many connections from this address; close idle connections or retry later.",
+    ),
     "too_large": GatewayError(
         413, "invalid_request_error", "request_too_large", "Request body exceeds the gateway's limit."
     ),

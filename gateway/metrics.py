@@ -32,6 +32,7 @@ __all__ = ["GatewayMetrics", "REJECTION_REASONS", "CONTENT_TYPE_LATEST", "Counte
 
 REJECTION_REASONS = (
     "unauthorized", "queue_full", "queue_bytes_full", "cold_reject", "draining", "too_large", "activation_timeout",
+    "request_timeout", "too_many_connections", "invalid_json",
 )
 ACTIVATION_BUCKETS = (1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900)
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

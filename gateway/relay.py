@@ -7,8 +7,8 @@ one read. Hop-by-hop headers are dropped both ways (``gateway.wire``).
 
 Replay safety: a request is retried only while *no byte* has been written to the backend, i.e.
 when connecting fails (:class:`ConnectFailed`). Reused pooled connections are checked for a
-half-closed peer before use (``recv(MSG_PEEK | MSG_DONTWAIT)``, valid for any descriptor number),
-and any failure after the first byte is :class:`UpstreamFailed`, never a retry.
+half-closed peer before use (one ``poll(0)``, valid for any descriptor number), and any failure
+after the first byte is :class:`UpstreamFailed`, never a retry.
 
 Timeouts: every blocking read and write runs under a deadline that the connection watchdog
 (``gateway.server``) enforces by shutting the socket down, so the fast path creates no timer.
@@ -22,26 +22,25 @@ import select
 import socket as std_socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import gevent.socket
 from gevent.hub import Waiter
 
 from gateway.state.readiness import ProbeResult
-from gateway.wire import LAST_CHUNK, ResponseHead, UpstreamParser, UpstreamProtocolError, chunk
+from gateway.wire import ResponseHead, UpstreamParser, UpstreamProtocolError
 
 if TYPE_CHECKING:
     from gateway.server import ClientConnection
 
 __all__ = [
     "recv_waiting", "send_all", "ConnectFailed", "UpstreamFailed", "UpstreamConnection", "UpstreamPool", "send_request",
-    "read_response_head", "probe_readiness", "READ_CHUNK", "SMALL_BODY_BYTES", "socket_closed",
+    "read_response_head", "probe_readiness", "READ_CHUNK", "SMALL_BODY_BYTES",
 ]
 
 READ_CHUNK = 64 * 1024  # max bytes per read (and so per relayed piece)
 SMALL_BODY_BYTES = 64 * 1024  # a body this small is read whole and sent with the head in one write
-_PEEK = std_socket.MSG_PEEK | std_socket.MSG_DONTWAIT
 INF = float("inf")
 
 
@@ -141,18 +140,6 @@ def _is_ip_literal(host: str) -> bool:
     return False
 
 
-def socket_closed(raw: std_socket.socket) -> bool:
-    """True when the peer closed (EOF) or the socket is broken. Pending bytes are not EOF.
-    ``raw`` is the OS-level socket: a non-blocking peek never waits and never uses select(),
-    so it works for descriptors >= 1024."""
-    try:
-        return raw.recv(1, _PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 class UpstreamConnection:
     """One keep-alive connection to the backend. ``deadline`` (monotonic) bounds the current
     blocking operation; the watchdog shuts the socket down once it passes."""
@@ -223,10 +210,6 @@ class UpstreamPool:
             self._address = infos[0][4][:2]
             self._resolved_at = now
         return self._address
-
-    @property
-    def idle_count(self) -> int:
-        return len(self._idle)
 
     def connect(self, timeout: float | None = None) -> UpstreamConnection:
         """A new connection. Raises ConnectFailed."""
@@ -299,29 +282,20 @@ def _fail(conn: UpstreamConnection, what: str, exc: BaseException | None = None)
     return UpstreamFailed(detail)
 
 
-def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"",
-                 rest: Iterable[bytes] | None = None, *, chunked: bool = False,
+def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"", *,
                  clock: Callable[[], float]) -> None:
-    """Write the request head (+ the body bytes at hand) in one write, then the rest of a streamed
-    body. Raises UpstreamFailed; errors reading ``rest`` (the client's upload) propagate as they are
-    after the upstream connection is closed."""
+    """Write the request head and its body (received whole before any slot was taken). Raises
+    UpstreamFailed."""
     sock = conn.sock
     conn.deadline = clock() + conn.idle_timeout
     try:
-        if body and len(body) <= SMALL_BODY_BYTES:
+        if len(body) <= SMALL_BODY_BYTES:
             send_all(sock, head + body)  # one write for the usual small request
         else:
             # A held body is never copied to prepend the head: when a backend wakes, every held
             # request is forwarded at once, and copies would double the memory held bodies use.
             send_all(sock, head)
-            if body:
-                send_all(sock, body)
-        if rest is not None:
-            for piece in rest:
-                conn.deadline = clock() + conn.idle_timeout
-                send_all(sock, chunk(piece) if chunked and piece else piece)
-            if chunked:
-                send_all(sock, LAST_CHUNK)
+            send_all(sock, body)
     except OSError as exc:
         raise _fail(conn, "sending request", exc) from None
     except BaseException:
@@ -338,7 +312,6 @@ def read_response_head(conn: UpstreamConnection, client: ClientConnection | None
     parser = conn.parser
     sock = conn.sock
     if client is not None:
-        client.waiting_on = conn
         client.waiting_since = clock()
     conn.deadline = clock() + conn.idle_timeout
     try:
@@ -357,7 +330,6 @@ def read_response_head(conn: UpstreamConnection, client: ClientConnection | None
     finally:
         conn.deadline = INF
         if client is not None:
-            client.waiting_on = None
             client.waiting_since = None
 
 

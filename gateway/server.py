@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import socket as std_socket
 import time
 from collections.abc import Callable, Iterator
@@ -24,14 +25,16 @@ import gevent.pool
 import gevent.socket
 from gevent.server import StreamServer
 
-from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all, socket_closed
+from gateway.errors import ERRORS, error_body
+from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all
+from gateway.state.admission import BodyReservation
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
 if TYPE_CHECKING:
     from gateway.routes import GatewayApp
 
-__all__ = ["ClientConnection", "ClientGone", "ClientBodyError", "RequestBodyTooLarge", "GatewayServer",
-           "serve_connection", "listen_socket"]
+__all__ = ["ClientConnection", "ClientGone", "ClientBodyError", "RequestBodyTooLarge", "RequestTimedOut",
+           "HeldBytesExhausted", "GatewayServer", "serve_connection", "listen_socket"]
 
 log = logging.getLogger("noctaya.gateway")
 
@@ -40,6 +43,7 @@ LAZY_WATCH_SECONDS = 0.25
 ADMIN_MAX_CONNECTIONS = 64  # concurrent connections on the admin port (scrapes, operators), per worker
 JSON = b"application/json"
 MAX_REQUEST_ID = 128
+_PEEK = std_socket.MSG_PEEK | std_socket.MSG_DONTWAIT
 
 
 class ClientGone(Exception):
@@ -52,6 +56,10 @@ class ClientBodyError(Exception):
 
 class RequestBodyTooLarge(Exception):
     """A body of unknown length ran past the limit while being read."""
+
+
+class RequestTimedOut(ClientBodyError):
+    """The request's head and body did not arrive within the whole-request deadline (-> 408)."""
 
 
 _ids = itertools.count(1)
@@ -78,40 +86,44 @@ def clean_request_id(value: bytes | None) -> bytes:
 class ClientConnection:
     """One client socket, its parser and its deadlines."""
 
-    __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "clock", "waiting_on",
-                 "waiting_since", "upstream", "watching", "gone", "wake", "message_done", "request_id", "received_at", "cold",
-                 "version", "hub", "reader", "admin", "__weakref__")
+    __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
+                 "request_deadline", "timed_out", "clock", "waiting_since", "upstream", "watching", "polled", "gone",
+                 "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
+                 "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
-                 clock: Callable[[], float], admin: bool = False) -> None:
+                 clock: Callable[[], float], admin: bool = False, request_timeout: float = INF) -> None:
         self.sock = sock
         self.admin = admin  # accepted on the admin port: /metrics and /noctaya/queue, never /v1
         self.raw: std_socket.socket = sock._sock
         self.peer = peer
         self.peer_bytes = peer.encode()
-        self.parser = ClientParser()
-        self.deadline = INF
+        self.parser = ClientParser(clock)
+        self.deadline = INF  # of the blocking read or write in progress (the watchdog enforces it)
         self.idle_timeout = idle_timeout
+        self.request_timeout = request_timeout
+        self.request_deadline = INF  # head + body of the message being read, from its first byte
+        self.timed_out = False
         self.clock = clock
-        self.waiting_on: UpstreamConnection | None = None  # set while awaiting a response head
-        self.waiting_since: float | None = None
+        self.waiting_since: float | None = None  # set while awaiting the backend's response head
         self.upstream: UpstreamConnection | None = None  # the backend connection in use
         self.watching = False  # hang-up detection armed (see arm_watch)
+        self.polled = False  # the read watcher cannot tell (pipelined bytes, half-close): the watchdog polls
         self.gone = False
         self.wake: gevent.event.Event | None = None
         self.message_done = True
         self.request_id = b""
-        self.received_at = 0.0  # when the current request's head was read (time to first token)
-        self.cold = False  # whether it waited for the backend
+        self.keep_alive = True  # the current request lets the connection carry another one
         self.version = "1.1"
-        self.hub = gevent.get_hub()
+        self.timing: Any = None  # the current request's gateway.timing.RequestTiming
         self.reader = ReadWaiter(self.raw.fileno(), on_idle=self._on_idle_readable)
 
     # -- reading -------------------------------------------------------------------------------
     def _next_event(self) -> tuple[str, Any] | None:
         events = self.parser.events
         while not events:
-            self.deadline = self.clock() + self.idle_timeout
+            now = self.clock()
+            self.deadline = min(now + self.idle_timeout, self.request_deadline)
             try:
                 # Between requests the next one is not there yet (the answer just left): wait first.
                 data = recv_waiting(self.sock, self.reader) if self.message_done else self.sock.recv(READ_CHUNK)
@@ -119,13 +131,19 @@ class ClientConnection:
                 data = b""
             finally:
                 self.deadline = INF
+            if self.timed_out:
+                raise RequestTimedOut()
             if not data:
                 return None
-            self.parser.feed(data)  # BadRequest propagates
+            parser = self.parser
+            parser.feed(data)  # BadRequest propagates
+            if parser.in_message and self.request_deadline == INF:
+                self.request_deadline = parser.started + self.request_timeout
         return events.popleft()
 
     def read_head(self) -> RequestHead | None:
-        """The next request's head, or None when the client closed between requests."""
+        """The next request's head, or None when the client closed between requests. Raises
+        BadRequest, or RequestTimedOut when the head did not arrive in time."""
         event = self._next_event()
         if event is None:
             return None
@@ -134,13 +152,14 @@ class ClientConnection:
             raise BadRequest(400, "bad_request")
         self.message_done = False
         self.version = head.version
+        self.keep_alive = head.keep_alive
         if not head.has_body:
             self.finish_message()  # its end is already parsed: answers need not close the connection
         return head
 
     def body_pieces(self, limit: int | None = None) -> Iterator[bytes]:
-        """The current request's body as it arrives. Raises ClientBodyError (gone / malformed) or
-        RequestBodyTooLarge past ``limit``."""
+        """The current request's body as it arrives. Raises ClientBodyError (gone / malformed /
+        RequestTimedOut) or RequestBodyTooLarge past ``limit``."""
         total = 0
         while not self.message_done:
             try:
@@ -151,45 +170,55 @@ class ClientConnection:
                 raise ClientBodyError()
             kind, piece = event
             if kind == "end":
-                self.message_done = True
+                self._message_read()
                 return
             total += len(piece)
             if limit is not None and total > limit:
                 raise RequestBodyTooLarge()
             yield piece
 
-    def read_body(self, limit: int, reserve: Callable[[int], bool] | None = None) -> bytes:
-        """The whole body (bounded by ``limit``). ``reserve(n)`` is asked for each piece's bytes as
-        it arrives; False raises HeldBytesExhausted."""
+    def read_body(self, limit: int, reservation: BodyReservation) -> bytes:
+        """The whole body (bounded by ``limit``). A body already parsed with its head (one read) is
+        returned as it is; one that needs more reads has every piece reserved in ``reservation`` as
+        it arrives (HeldBytesExhausted when the Pod's budget cannot take it)."""
         events = self.parser.events
-        if reserve is None and len(events) >= 2 and events[0][0] == "body" and events[1][0] == "end":
+        if len(events) >= 2 and events[0][0] == "body" and events[1][0] == "end":
             # The usual small request: head and body arrived in one read.
             piece = events.popleft()[1]
             events.popleft()
             if len(piece) > limit:
                 raise RequestBodyTooLarge()
-            self.message_done = True
+            self._message_read()
             return piece
         parts = []
         for piece in self.body_pieces(limit):
-            if reserve is not None and not reserve(len(piece)):
+            if not reservation.take(len(piece)):
                 raise HeldBytesExhausted()
             parts.append(piece)
         return b"".join(parts)
 
+    def _message_read(self) -> None:
+        self.message_done = True
+        self.request_deadline = INF
+
     def finish_message(self) -> bool:
         """After answering: True when the connection can take its next request (the rest of this
         request's message is already parsed), False when an unread body forbids reuse."""
-        if self.message_done:
-            return True
-        events = self.parser.events
-        while events and events[0][0] == "body":
+        if not self.message_done:
+            events = self.parser.events
+            while events and events[0][0] == "body":
+                events.popleft()
+            if not (events and events[0][0] == "end"):
+                return False
             events.popleft()
-        if events and events[0][0] == "end":
-            events.popleft()
-            self.message_done = True
-            return True
-        return False
+            self._message_read()
+        parser = self.parser
+        if parser.in_message:
+            # A pipelined request began while this one was served: its deadline runs from now, since
+            # the wait was the gateway's, not the client's.
+            parser.started = self.clock()
+            self.request_deadline = parser.started + self.request_timeout
+        return True
 
     def continue_100(self, head: RequestHead) -> None:
         """Answer ``Expect: 100-continue`` right before the body is read (never when rejecting)."""
@@ -219,23 +248,21 @@ class ClientConnection:
         self.send(response_head(status, headers) + body)
 
     def connection_headers(self, close: bool) -> list[tuple[bytes, bytes]]:
-        if close:
+        """What the answer says about the connection: the truth, since the connection is closed
+        after it whenever ``close`` or the request did not ask to keep it (HTTP/1.0 without
+        ``keep-alive``, or ``Connection: close``)."""
+        if close or not self.keep_alive:
             return [(b"Connection", b"close")]
         if self.version == "1.0":
             return [(b"Connection", b"keep-alive")]
         return []
 
     # -- liveness --------------------------------------------------------------------------------
-    def client_gone(self) -> bool:
-        if not self.gone and socket_closed(self.raw):
-            self.gone = True
-        return self.gone
-
     def arm_watch(self) -> gevent.event.Event:
         """Watch for a hang-up while nobody reads this connection. It costs no watcher of its own:
         the connection's read watcher (``ReadWaiter``) already fires when the client becomes
-        readable with nobody waiting. On EOF: mark the client gone, unblock a wait on the backend,
-        and set ``wake``. Returns ``wake``."""
+        readable with nobody waiting. On a hang-up: mark the client gone, unblock a wait on the
+        backend, and set ``wake``. Returns ``wake``."""
         if self.wake is None:
             self.wake = gevent.event.Event()
         if not self.watching and not self.gone:
@@ -249,27 +276,47 @@ class ClientConnection:
             self._check_hang_up()
 
     def _check_hang_up(self) -> None:
+        """The socket turned readable while nobody reads it: EOF, an error, or pipelined bytes.
+        Once the read watcher has fired it stays stopped (or it would fire on every loop), so when
+        this cannot decide, the watchdog polls the socket's hang-up flags for the rest of the wait."""
         try:
-            gone = socket_closed(self.raw)
+            gone = hung_up(self.raw, self.keep_alive)
         except Exception:  # noqa: BLE001
             gone = True
-        self.watching = False  # EOF: done; pipelined bytes: the next request waits its turn
         if gone:
-            self.gone = True
-            upstream = self.upstream
-            if upstream is not None:
-                upstream.abort()
-            if self.wake is not None:
-                self.wake.set()
+            self.hang_up()
+        else:
+            self.polled = True
+
+    def poll_hang_up(self) -> None:
+        """The watchdog's check of a connection the read watcher cannot judge."""
+        if self.watching and not self.gone and polled_hang_up(self.raw, self.keep_alive):
+            self.hang_up()
+
+    def hang_up(self) -> None:
+        self.gone = True
+        self.watching = False
+        upstream = self.upstream
+        if upstream is not None:
+            upstream.abort()
+        if self.wake is not None:
+            self.wake.set()
 
     def disarm_watch(self) -> None:
         self.watching = False
+        self.polled = False
 
     def expire(self) -> None:
-        """The deadline passed: shut the socket down so the blocked read or write returns."""
-        self.gone = True
+        """The deadline passed: end the blocked read or write. A request that did not arrive in
+        time is only shut for reading, so it can still be answered 408."""
+        if self.request_deadline <= self.clock():
+            self.timed_out = True
+            how = std_socket.SHUT_RD
+        else:
+            self.gone = True
+            how = std_socket.SHUT_RDWR
         try:
-            self.raw.shutdown(std_socket.SHUT_RDWR)
+            self.raw.shutdown(how)
         except OSError:
             pass
 
@@ -277,6 +324,37 @@ class ClientConnection:
         self.disarm_watch()
         self.reader.close()
         self.sock.close()
+
+
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)
+
+
+def hung_up(raw: std_socket.socket, keep_alive: bool) -> bool:
+    """Has the client left? A reset or error always means yes. An orderly end of its sending side
+    (FIN) means yes on a keep-alive connection; a client that announced it would send nothing more
+    (``Connection: close``, or HTTP/1.0) may half-close and still wait for its answer. Pending
+    (pipelined) bytes decide nothing: see :func:`polled_hang_up`."""
+    try:
+        return raw.recv(1, _PEEK) == b"" and keep_alive
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def polled_hang_up(raw: std_socket.socket, keep_alive: bool) -> bool:
+    """As :func:`hung_up`, from the socket's poll flags (they see a FIN or a reset behind unread
+    pipelined bytes, which a peek cannot). poll(), not select(): valid for any descriptor number."""
+    poller = select.poll()
+    poller.register(raw.fileno(), _RDHUP | select.POLLHUP | select.POLLERR)
+    try:
+        events = poller.poll(0)
+    except OSError:
+        return True
+    flags = events[0][1] if events else 0
+    if flags & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+        return True
+    return bool(flags & _RDHUP) and keep_alive
 
 
 class HeldBytesExhausted(Exception):
@@ -288,15 +366,15 @@ def serve_connection(app: GatewayApp, conn: ClientConnection) -> None:
     while True:
         try:
             head = conn.read_head()
-        except BadRequest as exc:
-            conn.request_id = new_request_id()  # nothing of the malformed request is trusted
+        except (BadRequest, RequestTimedOut) as exc:
+            conn.request_id = new_request_id()  # nothing of the malformed or late request is trusted
             app.bad_request(conn, exc)
             return
         if head is None:
             return
         conn.request_id = clean_request_id(head.request_id)
         keep = app.handle(conn, head)
-        if not keep or not head.keep_alive or conn.gone or app.draining or not conn.finish_message():
+        if not keep or not conn.keep_alive or conn.gone or app.draining or not conn.finish_message():
             return
 
 
@@ -323,6 +401,9 @@ class GatewayServer:
         self.app = app
         self.clock = clock
         self.idle_timeout = app.config.client_idle_timeout_seconds
+        self.request_timeout = app.config.client_request_timeout_seconds
+        self.per_address_cap = app.config.connections_per_address
+        self.per_address: dict[str, int] = {}  # open public connections by client address (bounded by the pool)
         self.connections: set[ClientConnection] = set()
         self.server = StreamServer(listener, self._handle, spawn=gevent.pool.Pool(max_connections))
         # Scrapes get slots of their own: a full public port must not blind monitoring, nor the reverse.
@@ -361,12 +442,15 @@ class GatewayServer:
         self._handle(sock, address, admin=True)
 
     def _handle(self, sock: gevent.socket.socket, address: Any, admin: bool = False) -> None:
+        peer = address[0] if isinstance(address, tuple) else ""
+        if not admin and not self._admit_address(peer):
+            self._refuse(sock)
+            return
         try:
             sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        peer = address[0] if isinstance(address, tuple) else ""
-        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin)
+        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin, self.request_timeout)
         self.connections.add(conn)
         try:
             serve_connection(self.app, conn)
@@ -379,6 +463,40 @@ class GatewayServer:
         finally:
             self.connections.discard(conn)
             conn.close()
+            if not admin:
+                self._leave_address(peer)
+
+    def _admit_address(self, peer: str) -> bool:
+        """One client address holds at most ``per_address_cap`` public connections of this worker,
+        so it can never take the whole pool from everybody else (0 = no cap, e.g. behind a proxy)."""
+        count = self.per_address.get(peer, 0)
+        if self.per_address_cap and count >= self.per_address_cap:
+            return False
+        self.per_address[peer] = count + 1
+        return True
+
+    def _leave_address(self, peer: str) -> None:
+        left = self.per_address.get(peer, 0) - 1
+        if left > 0:
+            self.per_address[peer] = left
+        else:
+            self.per_address.pop(peer, None)
+
+    def _refuse(self, sock: gevent.socket.socket) -> None:
+        """429 and close, without reading: a fresh socket's send buffer takes the answer at once."""
+        metrics = self.app.metrics
+        metrics.count_response(429)
+        metrics.reject("too_many_connections")
+        error = ERRORS["too_many_connections"]
+        body = error_body(error)
+        try:
+            sock._sock.send(response_head(error.status, [
+                (b"Content-Type", JSON), (b"Content-Length", b"%d" % len(body)), (b"Connection", b"close"),
+            ]) + body)
+        except OSError:
+            pass
+        finally:
+            sock.close()
 
     def _watchdog(self) -> None:
         while True:
@@ -391,6 +509,8 @@ class GatewayServer:
                 upstream = conn.upstream
                 if upstream is not None and upstream.deadline < now:
                     upstream.abort()
+                if conn.polled:
+                    conn.poll_hang_up()
                 since = conn.waiting_since
                 if since is not None and since < lazy and not conn.watching and not conn.gone:
                     conn.arm_watch()

@@ -13,7 +13,9 @@ without a colon, a NUL in a value, a bad chunk size, an HTTP/2 preface - is a :c
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -75,9 +77,10 @@ class RequestHead:
 
     __slots__ = ("method", "target", "version", "headers", "keep_alive", "content_length", "chunked",
                  "expect_continue", "authorization", "host", "request_id", "has_connection", "forward",
-                 "forwarded_for")
+                 "forwarded_for", "content_type", "arrived")
 
-    def __init__(self) -> None:
+    def __init__(self, arrived: float = 0.0) -> None:
+        self.arrived = arrived  # when its first byte was parsed (monotonic): its own start, even when pipelined
         self.method = b""
         self.target = b""
         self.version = "1.1"
@@ -93,6 +96,7 @@ class RequestHead:
         # ``Name: value`` lines to forward as they are (filtered once, while parsing).
         self.forward: list[bytes] = []
         self.forwarded_for: bytes | None = None
+        self.content_type: bytes | None = None
 
     @property
     def has_body(self) -> bool:
@@ -107,11 +111,17 @@ class RequestHead:
 class ClientParser:
     """Feeds client bytes to llhttp; yields ``("head", RequestHead)``, ``("body", bytes)`` and
     ``("end", None)`` events in order. Call :meth:`feed` only when :attr:`events` is empty, so at
-    most one read's worth of data is ever buffered here."""
+    most one read's worth of data is ever buffered here. ``in_message`` is True from a message's first
+    byte to its end, and ``started`` is when that first byte was parsed (the request deadline runs
+    from there)."""
 
-    __slots__ = ("_parser", "events", "_head", "_head_bytes", "in_head", "_error", "_header_bytes")
+    __slots__ = ("_parser", "events", "_head", "_head_bytes", "in_head", "_error", "_header_bytes", "in_message",
+                 "started", "_clock")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.in_message = False
+        self.started = 0.0
         self._parser = httptools.HttpRequestParser(self)
         self.events: deque[tuple[str, Any]] = deque()
         self._head: RequestHead | None = None
@@ -141,7 +151,9 @@ class ClientParser:
         raise self._error
 
     def on_message_begin(self) -> None:
-        self._head = RequestHead()
+        self.started = self._clock()
+        self.in_message = True
+        self._head = RequestHead(self.started)
         self._head_bytes = 0
         self.in_head = True
         self._header_bytes = 0
@@ -164,6 +176,8 @@ class ClientParser:
         lower = name.lower()
         if lower not in _NOT_FORWARDED:
             head.forward.append(name + b": " + value)
+            if lower == b"content-type":
+                head.content_type = value
             return
         if lower == b"content-length":
             head.content_length = int(value)  # llhttp has validated the digits
@@ -200,6 +214,7 @@ class ClientParser:
     def on_message_complete(self) -> None:
         self.events.append(("end", None))
         self._head = None
+        self.in_message = False
 
 
 class ResponseHead:
@@ -337,7 +352,7 @@ class UpstreamParser:
 
 _REASONS = {
     100: b"Continue", 200: b"OK", 204: b"No Content", 400: b"Bad Request", 401: b"Unauthorized",
-    404: b"Not Found", 413: b"Payload Too Large", 414: b"URI Too Long", 429: b"Too Many Requests",
+    404: b"Not Found", 408: b"Request Timeout", 413: b"Payload Too Large", 414: b"URI Too Long", 429: b"Too Many Requests",
     431: b"Request Header Fields Too Large", 499: b"Client Closed Request", 500: b"Internal Server Error",
     502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
 }

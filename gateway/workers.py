@@ -156,12 +156,12 @@ class Supervisor:
             index = self.pids.pop(pid, None)
             if index is None:
                 continue  # the scaler child is reaped by its own supervisor thread
-            returned = self.pod.reclaim(index)
+            tickets, held = self.pod.reclaim(index)
             if self.draining:
                 continue
             code = os.waitstatus_to_exitcode(status)
             log.error("worker exited; restarting",
-                      extra={"worker": index, "exit": code, "tickets_returned": returned})
+                      extra={"worker": index, "exit": code, "tickets_returned": tickets, "bytes_returned": held})
             delay = RESTART_BACKOFF_SECONDS[min(self.restarts[index], len(RESTART_BACKOFF_SECONDS) - 1)]
             self.restarts[index] += 1
             time.sleep(delay)

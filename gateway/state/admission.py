@@ -1,7 +1,12 @@
 """Bounded admission: queued (waiting for the backend) + in-flight requests <= max_queue, and the
-request bodies held by waiting requests <= max_held_bytes (maxQueue x 8 MiB bodies would otherwise
-be a lot of memory for a small gateway Pod). Both bounds are the Pod's (``gateway.state.pod``):
-with several worker processes, their tickets come out of one shared semaphore and one byte budget.
+request bodies being read or held by waiting requests <= max_held_bytes (maxQueue x 8 MiB bodies
+would otherwise be a lot of memory for a small gateway Pod). Both bounds are the Pod's
+(``gateway.state.pod``): with several worker processes, their tickets come out of one shared
+semaphore and one byte budget.
+
+A slot is taken only once a request is complete enough to be served (its body received and, when
+cold, inspected): a client that trickles its request holds a :class:`BodyReservation` for the
+bytes it actually sent, never a slot, and so never wakes a model.
 
 A request holds a :class:`Ticket` from admission to its end. The ticket moves
 QUEUED -> IN_FLIGHT (and back to QUEUED if a connect attempt found the backend gone before any
@@ -16,7 +21,7 @@ from collections.abc import Callable
 
 from gateway.state.pod import PodState
 
-__all__ = ["AdmissionSlots", "Ticket", "TicketState"]
+__all__ = ["AdmissionSlots", "BodyReservation", "Ticket", "TicketState"]
 
 
 class TicketState(enum.Enum):
@@ -28,22 +33,11 @@ class TicketState(enum.Enum):
 class Ticket:
     """One admitted request's slot."""
 
-    __slots__ = ("_slots", "state", "held_bytes")
+    __slots__ = ("_slots", "state")
 
     def __init__(self, slots: AdmissionSlots, state: TicketState) -> None:
         self._slots = slots
         self.state = state
-        self.held_bytes = 0
-
-    def reserve_bytes(self, n: int) -> bool:
-        """Reserve room for a request body this request will hold while waiting; False (and
-        nothing reserved) when the slots' byte budget cannot take it."""
-        if self.state is TicketState.RELEASED:
-            raise RuntimeError("ticket already released")
-        if not self._slots._take_bytes(n):
-            return False
-        self.held_bytes += n
-        return True
 
     def start(self) -> None:
         """QUEUED -> IN_FLIGHT (forwarding begins). No-op when already in flight."""
@@ -61,17 +55,8 @@ class Ticket:
         elif self.state is TicketState.RELEASED:
             raise RuntimeError("ticket already released")
 
-    def trim_bytes(self, n: int) -> None:
-        """Shrink the reservation to ``n`` bytes (never grows it)."""
-        if 0 <= n < self.held_bytes:
-            self._slots._give_bytes(self.held_bytes - n)
-            self.held_bytes = n
-
     def release(self) -> None:
-        """Give the slot (and any reserved bytes) back. Idempotent."""
-        if self.held_bytes:
-            self._slots._give_bytes(self.held_bytes)
-            self.held_bytes = 0
+        """Give the slot back. Idempotent."""
         state = self.state
         if state is TicketState.RELEASED:
             return
@@ -83,6 +68,34 @@ class Ticket:
         self._slots.pod.give_slot()
 
 
+class BodyReservation:
+    """One request body's share of the Pod's held-body budget, taken as its bytes arrive (a slow
+    uploader holds only what it sent) and given back exactly once (:meth:`release` is idempotent)."""
+
+    __slots__ = ("_slots", "bytes")
+
+    def __init__(self, slots: AdmissionSlots) -> None:
+        self._slots = slots
+        self.bytes = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve ``n`` more bytes; False (and nothing reserved) when the budget cannot take them."""
+        if not self._slots._take_bytes(n):
+            return False
+        self.bytes += n
+        return True
+
+    def cover(self, n: int) -> bool:
+        """Make the reservation at least ``n`` bytes (a body read in one piece is reserved only once
+        it is to be held)."""
+        return n <= self.bytes or self.take(n - self.bytes)
+
+    def release(self) -> None:
+        if self.bytes:
+            self._slots._give_bytes(self.bytes)
+            self.bytes = 0
+
+
 class AdmissionSlots:
     """At most ``max_queue`` tickets exist at once in the Pod, queued or in flight; ``queued`` and
     ``in_flight`` count this worker's own.
@@ -92,7 +105,7 @@ class AdmissionSlots:
 
     def __init__(
         self, max_queue: int, on_change: Callable[[], None] | None = None, *, max_held_bytes: int | None = None,
-        pod: PodState | None = None,
+        pod: PodState | None = None, worker: int = 0,
     ) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
@@ -101,10 +114,10 @@ class AdmissionSlots:
         self.max_queue = max_queue
         self.max_held_bytes = max_held_bytes
         self.pod = pod if pod is not None else PodState(1, max_queue, max_held_bytes)
+        self.worker = worker
         self.held_bytes = 0  # this worker's share of the Pod's held bytes
         self._queued = 0
         self._in_flight = 0
-        self.peak_in_flight = 0  # diagnostics
         self._on_change = on_change
 
     @property
@@ -129,8 +142,11 @@ class AdmissionSlots:
         self._move(queued=+1, in_flight=0)
         return Ticket(self, TicketState.QUEUED)
 
+    def reservation(self) -> BodyReservation:
+        return BodyReservation(self)
+
     def _take_bytes(self, n: int) -> bool:
-        if not self.pod.try_take_bytes(n):
+        if not self.pod.try_take_bytes(n, self.worker):
             return False
         self.held_bytes += n
         return True
@@ -139,7 +155,7 @@ class AdmissionSlots:
         if n > self.held_bytes:
             raise RuntimeError("held bytes would go negative")
         self.held_bytes -= n
-        self.pod.give_bytes(n)
+        self.pod.give_bytes(n, self.worker)
 
     def _move(self, *, queued: int, in_flight: int) -> None:
         # On every request, twice: plain int updates, then the demand record (one call).
@@ -149,7 +165,5 @@ class AdmissionSlots:
             raise RuntimeError("queued or in-flight count would go negative")
         self._queued = q
         self._in_flight = f
-        if f > self.peak_in_flight:
-            self.peak_in_flight = f
         if self._on_change is not None:
             self._on_change()

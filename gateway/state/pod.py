@@ -7,15 +7,17 @@ in-process worker), it holds the limits that are *per Pod, not per worker*:
   ``sem_trywait`` (an atomic decrement that fails at zero), release is ``sem_post``; neither
   needs a lock, neither sleeps, and the count can never go below zero, so the workers together can
   never admit more than ``maxQueue`` requests however their accepts interleave.
-- ``held bytes``: one shared integer under a process-shared lock (only cold requests with a body
-  touch it), so the held-body budget is one budget for the Pod. The same lock guards the claim on
-  timing an activation (once per Pod activation, not once per worker; see gateway.activation) and the
-  time demand was last pushed active (written by the supervisor, read by the workers).
+- ``held bytes``: one shared integer under a process-shared lock (bodies being read across several
+  reads, and bodies held by cold requests, touch it), so the held-body budget is one budget for the
+  Pod. Each worker's share is also kept in its row, so a worker that dies has it returned. The same
+  lock guards the claim on timing an activation (once per Pod activation, not once per worker; see
+  gateway.activation; the claiming worker is recorded, so a dead worker's claim is dropped at once)
+  and the time demand was last pushed active (written by the supervisor, read by the workers).
 - ``rows``: one row of float64 cells per worker in an anonymous shared mapping. Each worker writes
   only its own row (its queued / in-flight counts, lease and readiness flags, and its metric
   counters), so writes need no lock; readers (``/noctaya/queue``, ``/metrics``, the demand
-  sampler feeding KEDA) sum the rows. A worker that dies has its row's tickets returned to the
-  semaphore by the supervisor (:meth:`PodState.reclaim`).
+  sampler feeding KEDA) sum the rows. A worker that dies has its row's tickets, held bytes and
+  activation claim returned by the supervisor (:meth:`PodState.reclaim`).
 - ``notify``: a semaphore a worker posts when its *cold* demand flips (a request queued for the
   backend, or the activation lease starting or ending), waking the demand sampler at once: that is
   what wakes a model from zero. Warm traffic (in-flight +1/-1 on every request) is picked up by the
@@ -38,12 +40,12 @@ from scaler.demand import Demand
 __all__ = ["PodState", "Row", "DemandSampler"]
 
 # Row layout: the demand fields first, then the metric cells (gateway.metrics decides their use).
-QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID, TRANSITIONS = range(8)
-METRIC_CELLS = TRANSITIONS + 1  # first cell gateway.metrics may use
+QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID, TRANSITIONS, HELD = range(9)
+METRIC_CELLS = HELD + 1  # first cell gateway.metrics may use
 ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
-# Pod-wide cells after the rows: held body bytes, when demand was last pushed active, and the start
-# of the activation being timed (0 = none).
-_HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT = range(3)
+# Pod-wide cells after the rows: held body bytes, when demand was last pushed active, the start
+# of the activation being timed (0 = none) and the worker timing it.
+_HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT, _ACTIVATION_OWNER = range(4)
 
 _ctx = multiprocessing.get_context("fork")
 
@@ -72,22 +74,26 @@ class PodState:
     def give_slot(self) -> None:
         self._slots.release()
 
-    def try_take_bytes(self, n: int) -> bool:
+    def try_take_bytes(self, n: int, worker: int = 0) -> bool:
+        """Take ``n`` bytes of the Pod's held-body budget for ``worker`` (False: it cannot take them)."""
         if n < 0:
             raise ValueError("n must be >= 0")
         if n == 0:
             return True
+        cells = self.cells
         with self._lock:
-            held = self.cells[self._pod]
+            held = cells[self._pod]
             if self.max_held_bytes is not None and held + n > self.max_held_bytes:
                 return False
-            self.cells[self._pod] = held + n
+            cells[self._pod] = held + n
+            cells[worker * ROW_CELLS + HELD] += n
             return True
 
-    def give_bytes(self, n: int) -> None:
+    def give_bytes(self, n: int, worker: int = 0) -> None:
         if n:
             with self._lock:
                 self.cells[self._pod] -= n
+                self.cells[worker * ROW_CELLS + HELD] -= n
 
     @property
     def held_bytes(self) -> int:
@@ -102,14 +108,15 @@ class PodState:
     def pushed_at(self) -> float:
         return self.cells[self._pod + _PUSHED_AT]
 
-    def claim_activation(self, now: float, stale_after: float) -> bool:
-        """True when no activation of the Pod is being timed (or the one claimed has gone stale,
-        its worker died): the caller times this one and must :meth:`release_activation` it."""
+    def claim_activation(self, now: float, stale_after: float, worker: int = 0) -> bool:
+        """True when no activation of the Pod is being timed (or the one claimed has gone stale): the
+        caller times this one and must :meth:`release_activation` it."""
         with self._lock:
             claimed = self.cells[self._pod + _ACTIVATION_AT]
             if claimed and now - claimed < stale_after:
                 return False
             self.cells[self._pod + _ACTIVATION_AT] = now
+            self.cells[self._pod + _ACTIVATION_OWNER] = worker
             return True
 
     def release_activation(self, claimed_at: float) -> None:
@@ -153,17 +160,24 @@ class PodState:
         return [{"pid": int(cells[base + PID]), "queued": int(cells[base + QUEUED]),
                  "inFlight": int(cells[base + IN_FLIGHT])} for base in self.rows()]
 
-    def reclaim(self, index: int) -> int:
-        """A worker died: return its tickets to the semaphore and clear its demand. Its metric
-        counters are kept (counters must not go backwards). Returns the tickets returned."""
+    def reclaim(self, index: int) -> tuple[int, int]:
+        """A worker died: return its tickets to the semaphore and its held bytes to the budget, drop
+        its activation claim and clear its demand. Its metric counters are kept (counters must not go
+        backwards). Returns (tickets, bytes) returned."""
         base = index * ROW_CELLS
         cells = self.cells
         tickets = int(cells[base + QUEUED] + cells[base + IN_FLIGHT])
         for _ in range(tickets):
             self._slots.release()
+        with self._lock:
+            held = cells[base + HELD]
+            cells[self._pod] -= held
+            cells[base + HELD] = 0.0
+            if cells[self._pod + _ACTIVATION_AT] and cells[self._pod + _ACTIVATION_OWNER] == index:
+                cells[self._pod + _ACTIVATION_AT] = 0.0
         for field in (QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, ALIVE):
             cells[base + field] = 0.0
-        return tickets
+        return tickets, int(held)
 
 
 class Row:

@@ -198,8 +198,9 @@ def test_bodies_held_while_cold_are_bounded_in_bytes(backend, make_gateway) -> N
 
 
 def test_slow_chunked_uploads_hold_only_what_they_sent(backend, make_gateway) -> None:
-    """A cold chunked upload reserves held bytes as they arrive, not the whole body limit: two
-    slow uploaders cannot make other cold requests 429 while the byte budget is nearly empty."""
+    """A chunked upload reserves held bytes as they arrive, not the whole body limit, and takes no
+    slot and makes no demand before it is complete: two slow uploaders cannot make other cold
+    requests 429, nor wake the model."""
     gw = make_gateway(backend, max_queue=10, max_body_bytes=64 * 1024, max_held_body_bytes=128 * 1024)
     slow = []
     try:
@@ -208,10 +209,12 @@ def test_slow_chunked_uploads_hold_only_what_they_sent(backend, make_gateway) ->
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
             slow.append(sock)
-        wait_for(lambda: queue(gw)["queued"] == 2, timeout=10, what="two slow uploads admitted")
+        wait_for(lambda: queue(gw)["heldBytes"] == 10, timeout=10, what="two slow uploads reading (5 bytes each)")
+        state = queue(gw)
+        assert state["queued"] == 0 and not state["demand"]["active"] and state["lease"]["state"] == "idle"
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(post, gw.port, BODY)
-            wait_for(lambda: queue(gw)["queued"] == 3, timeout=10, what="a normal cold request held, not refused")
+            wait_for(lambda: queue(gw)["queued"] == 1, timeout=10, what="a normal cold request held, not refused")
             backend.start()
             status, _, _ = fut.result(timeout=30)
         assert status == 200

@@ -272,7 +272,7 @@ def test_body_limit_holds_exactly_at_the_limit(backend, make_gateway) -> None:
 
 def test_max_connections_holds_exactly_at_the_limit(backend, make_gateway) -> None:
     backend.start()
-    gw = make_gateway(backend, max_connections=3)
+    gw = make_gateway(backend, max_connections=3, max_connections_per_address=0)  # the pool alone
     open_socks = []
     for _ in range(3):  # three kept-alive connections: every one is served
         sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)

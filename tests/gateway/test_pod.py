@@ -45,8 +45,22 @@ def test_a_dead_workers_tickets_return_to_the_pod() -> None:
         assert pod.try_take_slot()
     row.write_demand(2, 1, True)
     assert not pod.try_take_slot()
-    assert pod.reclaim(1) == 3
+    assert pod.reclaim(1) == (3, 0)
     assert pod.demand() == Demand() and all(pod.try_take_slot() for _ in range(3))
+
+
+def test_a_dead_workers_held_bytes_and_activation_claim_return_to_the_pod() -> None:
+    # SIGKILL leaves no finally block: the supervisor gives back what the row says the worker held.
+    pod = PodState(2, max_queue=10, max_held_bytes=1000)
+    assert pod.try_take_bytes(300, worker=0) and pod.try_take_bytes(600, worker=1)
+    assert not pod.try_take_bytes(200, worker=0)
+    assert pod.claim_activation(5.0, stale_after=300.0, worker=1)
+    assert pod.reclaim(1) == (0, 600)
+    assert pod.held_bytes == 300 and pod.try_take_bytes(700, worker=0)  # at the budget exactly
+    assert not pod.try_take_bytes(1, worker=0)
+    assert pod.claim_activation(6.0, stale_after=300.0, worker=0)  # the dead worker's claim is gone
+    assert pod.reclaim(1) == (0, 0)  # reclaiming a worker that holds nothing changes nothing
+    assert pod.held_bytes == 1000 and not pod.claim_activation(7.0, stale_after=300.0, worker=1)
 
 
 def test_warm_traffic_never_wakes_the_sampler_but_is_seen_by_it() -> None:

@@ -47,7 +47,7 @@ def test_admission_flood_never_exceeds_bound() -> None:
     assert len(admitted) == 100 and slots.total == 100
     for t in admitted:
         t.release()
-    assert slots.total == 0 and slots.peak_in_flight == 50
+    assert slots.total == 0 and slots.pod.try_take_slot()
 
 
 # -- lease ---------------------------------------------------------------------------------------
@@ -223,12 +223,14 @@ def test_prober_hurry_shortens_a_warm_wait_only_when_backend_went_cold() -> None
 
 def test_held_body_bytes_are_bounded_and_returned() -> None:
     slots = AdmissionSlots(10, max_held_bytes=1000)
-    a, b, c = (slots.try_admit(in_flight=False) for _ in range(3))
-    assert a.reserve_bytes(600) and not b.reserve_bytes(500) and b.held_bytes == 0
-    assert b.reserve_bytes(400) and slots.held_bytes == 1000
-    a.trim_bytes(100)
-    assert slots.held_bytes == 500 and c.reserve_bytes(500)
-    for t in (a, b, c):
-        t.release()
-        t.release()
-    assert slots.held_bytes == 0
+    a, b, c = (slots.reservation() for _ in range(3))
+    assert a.take(600) and not b.take(500) and b.bytes == 0
+    assert b.take(400) and slots.held_bytes == 1000  # at the budget exactly
+    assert not c.take(1) and not c.cover(1)
+    a.release()
+    assert slots.held_bytes == 400 and c.cover(600) and c.cover(300) and c.bytes == 600
+    for r in (a, b, c):
+        r.release()
+        r.release()  # idempotent
+    assert slots.held_bytes == 0 and slots.pod.held_bytes == 0
+    assert slots.total == 0  # a reservation is no slot
