@@ -29,6 +29,9 @@ QUEUE_FULL_RETRY_AFTER_SECONDS = 5
 HEARTBEAT_SECONDS = 10
 DRAIN_GRACE_SECONDS = 30
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# The container port the kubelet probes (/healthz): `admin`, whose connections public clients
+# cannot take (docs/architecture.md "Probes").
+PROBE_PORT = "admin"
 # Kubernetes waits this long after SIGTERM: the gateway's own drain grace plus a margin.
 GATEWAY_TERMINATION_GRACE_SECONDS = DRAIN_GRACE_SECONDS + 10
 
@@ -246,8 +249,13 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
         "ports": ports,
         "resources": resources(ctx),
         "securityContext": restricted_container_security(),
-        "readinessProbe": http_probe("/healthz", "http", 5, 2),
-        "livenessProbe": http_probe("/healthz", "http", 10, 6),
+        # On the admin port, never the public one: the public port's connections are open to any
+        # client (idle ones need no API key), so a full pool there would fail readiness (the
+        # Service drops the gateway) and then liveness (the kubelet kills every held request).
+        # The admin port has its own small pool, is on no Service and answers /healthz alike
+        # (503 while draining); the public /healthz stays for load balancers.
+        "readinessProbe": http_probe("/healthz", PROBE_PORT, 5, 2),
+        "livenessProbe": http_probe("/healthz", PROBE_PORT, 10, 6),
         "volumeMounts": mounts,
     }
     pod_spec = restricted_pod_spec(ctx, [container], volumes)

@@ -15,6 +15,16 @@ from hooks.resources import gateway, labels, names
 from hooks.resources.context import METRIC_NAME, REPORT_PORT, SCALER_GRPC_PORT, RenderContext, tcp_port
 
 MAX_MEMBERS = 64
+# Members and connections one source address may hold, per gateway replica. Where every gateway
+# reaches the aggregator from one address (a mesh sidecar, SNAT), that address carries them all:
+# each gateway Pod slot has at most two live members, its process and one predecessor (an old Pod
+# still draining and reporting during a rolling update that replaced every Pod, or a process that
+# restarted in place before its old member's TTL ran out), hence 2 × replicas. Each reporting
+# process holds one keep-alive connection and briefly a second while it is replaced, hence twice
+# the members, the ratio of the aggregator's own defaults (2 members, 4 connections). Without NAT a
+# Pod's address carries its own members only and the caps are merely looser than the defaults.
+MEMBERS_PER_ADDRESS_PER_GATEWAY = 2
+CONNECTIONS_PER_MEMBER = 2
 MEMBER_TTL_SECONDS = 10
 MAX_CONCURRENT_REPORTS = 16
 AGGREGATOR_RESOURCES = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}}
@@ -36,14 +46,32 @@ def _env(name: str, value: str | int) -> dict[str, str]:
     return {"name": name, "value": str(value)}
 
 
+def members_per_address(ctx: RenderContext) -> int:
+    """NOCTAYA_MAX_MEMBERS_PER_ADDRESS: every gateway behind one address, with a rollout's surge."""
+    return MEMBERS_PER_ADDRESS_PER_GATEWAY * ctx.service.spec.endpoint.replicas
+
+
+def max_members(ctx: RenderContext) -> int:
+    """NOCTAYA_MAX_MEMBERS: room for one address at its cap and, beside it, every gateway with its
+    surge (one Pod holding its address's whole allowance cannot lock the others out)."""
+    return max(MAX_MEMBERS, 2 * members_per_address(ctx))
+
+
+def tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
+    return {"tcpSocket": {"port": port}, "periodSeconds": period, "timeoutSeconds": 2, "failureThreshold": failures}
+
+
 def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
     spec = ctx.service.spec
+    per_address = members_per_address(ctx)
     env = [
         _env("NOCTAYA_REPORT_PORT", REPORT_PORT),
         _env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT),
         _env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.TOKEN_KEY}"),
         _env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.PREVIOUS_TOKEN_KEY}"),
-        _env("NOCTAYA_MAX_MEMBERS", MAX_MEMBERS),
+        _env("NOCTAYA_MAX_MEMBERS", max_members(ctx)),
+        _env("NOCTAYA_MAX_MEMBERS_PER_ADDRESS", per_address),
+        _env("NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", CONNECTIONS_PER_MEMBER * per_address),
         _env("NOCTAYA_MAX_MEMBER_DEMAND", spec.endpoint.max_queue),
         _env("NOCTAYA_MEMBER_TTL_SECONDS", MEMBER_TTL_SECONDS),
         _env("NOCTAYA_MAX_CONCURRENT_REPORTS", MAX_CONCURRENT_REPORTS),
@@ -71,9 +99,13 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
         ],
         "resources": AGGREGATOR_RESOURCES,
         "securityContext": gateway.restricted_container_security(),
-        # The report port speaks TLS with scaler TLS; the kubelet's HTTPS probe does not verify.
-        "readinessProbe": gateway.http_probe("/healthz", "report", 5, 2, https=spec.scaler_tls is not None),
-        "livenessProbe": gateway.http_probe("/healthz", "report", 10, 6, https=spec.scaler_tls is not None),
+        # TCP connects, not GET /healthz on the report port: that port's connections are capped
+        # (per address and in all) and any client that reaches it can fill them, and a refused
+        # probe would drop the only aggregator from its Service, then restart it. The kernel
+        # completes a connect before the server counts it, so these cannot be starved; the
+        # liveness probe dials the gRPC listener, which is KEDA's and has no connection cap.
+        "readinessProbe": tcp_probe("report", 5, 2),
+        "livenessProbe": tcp_probe("grpc", 10, 6),
         "volumeMounts": mounts,
     }
     return {

@@ -73,7 +73,11 @@ def _multi_gateway(a: Answer) -> None:
     tls = next(v for v in pod["volumes"] if v["name"] == "scaler-tls")["secret"]
     assert tls["items"] == [{"key": "ca.crt", "path": "ca.crt"}] and tls["optional"] is True
     aggregator = child(a, "Deployment", "qwen-aggregator")["spec"]["template"]["spec"]["containers"][0]
-    assert aggregator["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # Probes the report port's connection caps cannot starve, TLS or not (a TCP connect each).
+    assert aggregator["readinessProbe"]["tcpSocket"] == {"port": "report"}
+    assert aggregator["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+    agg_env = {e["name"]: e["value"] for e in aggregator["env"]}
+    assert (agg_env["NOCTAYA_MAX_MEMBERS_PER_ADDRESS"], agg_env["NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS"]) == ("6", "12")
     assert "data" not in str(a["status"])  # the token Secret's data never reaches status
 
 

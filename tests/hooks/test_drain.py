@@ -23,11 +23,17 @@ RUNTIME = Path(__file__).resolve().parents[2] / "examples" / "runtimes" / "vllm-
 
 
 class Engine:
-    """An engine's /metrics: vLLM's gauges (labels with a space, a look-alike counter beside them)."""
+    """An engine's /metrics: vLLM's gauges (labels with a space, a look-alike counter beside them).
+
+    ``failures`` is a script for the next fetches, one entry each: "500" (an HTTP error), "reset"
+    (the connection closed without an answer), "hang" (no answer until the fetch times out) or
+    "ok" (answered); once it is used up every fetch is answered. ``fetches`` records when each one arrived."""
 
     def __init__(self) -> None:
         self.running = 0.0
         self.waiting = 0.0
+        self.failures: list[str] = []
+        self.fetches: list[float] = []
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -35,6 +41,18 @@ class Engine:
                 pass
 
             def do_GET(self) -> None:
+                engine.fetches.append(time.monotonic())
+                failure = engine.failures.pop(0) if engine.failures else None
+                if failure == "500":
+                    self.send_error(500)
+                    return
+                if failure == "reset":
+                    self.close_connection = True
+                    return
+                if failure == "hang":
+                    time.sleep(3.0)  # beyond the hook's 2 s fetch timeout
+                    self.close_connection = True
+                    return
                 body = (
                     "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
                     "# TYPE vllm:num_requests_running gauge\n"
@@ -64,13 +82,17 @@ def engine() -> Iterator[Engine]:
     e.close()
 
 
-def command(port: int, drain_timeout: str = "10s") -> list[str]:
+def command(port: int, drain_timeout: str = "10s", unanswered: int | None = None) -> list[str]:
+    """The rendered exec command; ``unanswered`` shortens the rendered give-up window (its last
+    argument) so that the tests of a dead engine take seconds, not the production ten."""
     doc = yaml.safe_load(RUNTIME.read_text())
     doc["spec"]["port"] = port
     doc["spec"]["lifecycle"] = {"drainTimeout": drain_timeout}
     hook = drain.pre_stop(InferenceRuntime.model_validate(doc))
     assert hook is not None and "exec" in hook
-    return hook["exec"]["command"]
+    argv = hook["exec"]["command"]
+    assert argv[-1] == str(drain.UNANSWERED_SECONDS)
+    return argv if unanswered is None else [*argv[:-1], str(unanswered)]
 
 
 def run(argv: list[str], path: str | None = None) -> tuple[float, str]:
@@ -120,8 +142,61 @@ def test_a_request_that_never_ends_is_bounded_by_the_drain_timeout(engine: Engin
 def test_an_engine_that_stopped_answering_has_nothing_left_to_wait_for(engine: Engine) -> None:
     port = engine.port
     engine.close()
-    took, out = run(command(port))
-    assert took < 2.0 and "not answering" in out
+    took, out = run(command(port, unanswered=2))
+    # Retried for more than the window (the first failure's second + 2 more), then given up on.
+    assert 2.0 < took < 5.0 and "engine not answering for 2s" in out and "nothing in flight" not in out
+
+
+def test_the_rendered_window_is_ten_seconds_of_silence_within_the_budget() -> None:
+    argv = command(8000, drain_timeout="2m")
+    assert argv[6:] == ["120", "vllm:num_requests_running vllm:num_requests_waiting", "10"]
+
+
+def test_one_failed_fetch_is_retried_not_taken_for_a_dead_engine(engine: Engine) -> None:
+    """An engine that flaps: errors, a dropped connection and a timed-out fetch, then it answers
+    busy, then idle. The hook waits through all of it and stops on the answer showing 0."""
+    engine.running = 1.0
+    engine.failures = ["500", "reset", "hang"]  # ~4 s without an answer (the hang times out at 2 s)
+    threading.Timer(6.0, lambda: setattr(engine, "running", 0.0)).start()
+    took, out = run(command(engine.port, drain_timeout="20s", unanswered=5))
+    assert 6.0 <= took < 9.0, out
+    assert "metrics fetch failed" in out and "answering again" in out and "nothing in flight" in out
+    assert "not answering" not in out and len(engine.fetches) >= 5
+
+
+def test_an_answer_restarts_the_silence_window(engine: Engine) -> None:
+    """Failures that never last the window in a row do not end the wait: the budget does."""
+    engine.running = 1.0
+    engine.failures = ["500", "500", "ok"] * 3  # 4 of the first 5 s unanswered, never 2 s in a row
+    took, out = run(command(engine.port, drain_timeout="5s", unanswered=2))
+    assert 5.0 <= took < 8.0 and "after 5s; stopping" in out and "not answering for" not in out
+
+
+def test_a_dead_engine_is_still_bounded_by_the_budget(engine: Engine) -> None:
+    port = engine.port
+    engine.close()
+    took, out = run(command(port, drain_timeout="3s", unanswered=30))
+    assert 3.0 <= took < 6.0 and "engine not answering after 3s" in out
+
+
+def test_a_zero_after_failures_ends_the_wait_at_once(engine: Engine) -> None:
+    engine.failures = ["reset", "500"]
+    took, out = run(command(engine.port, unanswered=10))
+    assert 2.0 <= took < 4.0 and "nothing in flight" in out and len(engine.fetches) == 3
+
+
+@pytest.mark.parametrize("client", ["curl", "wget", "python3"])
+def test_each_http_client_fails_a_fetch_once_and_quickly(engine: Engine, tmp_path: Path, client: str) -> None:
+    """An HTTP error and a dropped connection are one failed fetch each, whatever the client (GNU
+    wget would retry a dropped connection for minutes on its own); a 500's body is not metrics."""
+    if client != "python3" and shutil.which(client) is None:
+        pytest.skip(f"{client} not installed here")
+    path = only(tmp_path, "sh", "date", "awk", "sleep", client)
+    engine.running = 1.0
+    engine.failures = ["500", "reset"]
+    threading.Timer(3.0, lambda: setattr(engine, "running", 0.0)).start()
+    took, out = run(command(engine.port, unanswered=5), path)
+    assert 3.0 <= took < 5.5 and "metrics fetch failed" in out and "nothing in flight" in out
 
 
 @pytest.mark.parametrize("client", ["curl", "wget", "python3"])

@@ -91,7 +91,8 @@ def test_probes_drain_and_grace() -> None:
     assert c["startupProbe"]["periodSeconds"] == 10 and c["startupProbe"]["failureThreshold"] == 60
     # This runtime names its load gauges: the preStop waits while they say busy, at most 45 s.
     command = c["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[:2] == ["sh", "-c"] and command[-2] == "45"
+    assert command[:2] == ["sh", "-c"] and command[-3] == "45"
+    assert command[-1] == "10"  # stops early only after 10 s without an answer from the engine
     assert spec["terminationGracePeriodSeconds"] >= 45 + 10
     sleeping = _pod({}, lifecycle={"drainTimeout": "45s", "drainWait": "Sleep"})["spec"]["containers"][0]
     assert sleeping["lifecycle"]["preStop"] == {"sleep": {"seconds": 45}}

@@ -314,7 +314,7 @@ def test_single_gateway_scaler_service_selects_the_gateway_multi_selects_the_agg
     assert env["NOCTAYA_AGGREGATOR_URL"] == "http://qwen-scaler.models.svc.cluster.local:9091/v1/report"
     assert "NOCTAYA_AGGREGATOR_CA_FILE" not in env and all(v["name"] != "scaler-tls" for v in gateway["volumes"])
     probe = multi[("Deployment", "qwen-aggregator")]["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
-    assert "scheme" not in probe["httpGet"]
+    assert probe["tcpSocket"] == {"port": "report"}
 
 
 def test_pvc_is_create_once_and_a_change_is_a_conflict() -> None:

@@ -1,0 +1,198 @@
+"""Issue #19, the front door under hostile clients, as far as the hooks render it:
+
+- the kubelet probes the gateway on its admin port (its own connections, on no Service), never on
+  the public port whose connections any client can take;
+- the aggregate scaler's probes are TCP connects, which its report port's connection caps cannot
+  refuse;
+- the aggregate scaler's per-address caps fit every gateway behind one address (mesh sidecar,
+  SNAT), with a rolling update's surge.
+
+The real-process checks start `python -m gateway` with the rendered env."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import load_config
+from hooks.controller import sync
+from hooks.resources import scaler as scaler_resources
+from scaler.aggregator import AggregatorSettings
+from tests.hooks import helpers as h
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _children(**endpoint: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    spec = {"endpoint": endpoint} if endpoint else {}
+    answer = sync.sync(h.sync_request(h.llmservice(**spec)), h.config())
+    return h.by_kind_name(answer["children"])
+
+
+def _container(children: dict[tuple[str, str], dict[str, Any]], name: str) -> dict[str, Any]:
+    return children[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def _probe_port(container: dict[str, Any], probe: dict[str, Any]) -> dict[str, Any]:
+    """The container port a probe dials, by name or by number, as the kubelet resolves it."""
+    action = probe.get("httpGet") or probe.get("tcpSocket")
+    assert action is not None, probe
+    port = action["port"]
+    matches = [p for p in container["ports"] if port in (p["name"], p["containerPort"])]
+    assert len(matches) == 1, f"probe port {port!r} is not one of the container's ports"
+    return matches[0]
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_gateway_probes_use_the_admin_port_not_the_public_one(replicas: int) -> None:
+    children = _children(replicas=replicas)
+    container = _container(children, "qwen-gateway")
+    env = _env(container)
+    probes = [container[p] for p in PROBES if p in container]
+    assert {"readinessProbe", "livenessProbe"} <= {p for p in PROBES if p in container}
+    for probe in probes:
+        port = _probe_port(container, probe)
+        assert port["name"] == "admin" and port["containerPort"] == int(env["NOCTAYA_ADMIN_PORT"]) == 9092
+        assert probe["httpGet"]["path"] == "/healthz" and "scheme" not in probe["httpGet"]
+        assert port["containerPort"] != int(env["NOCTAYA_LISTEN_PORT"])
+    # What the gateway reads from that env binds the same admin port the probes dial.
+    config = load_config([], {**env, "NOCTAYA_SCALER_MODE": "off"})
+    assert config.admin_port == 9092 and config.listen_port == 8080
+    # And the admin port stays off every Service (the public one is often a LoadBalancer).
+    for (kind, _), child in children.items():
+        if kind == "Service":
+            assert all(p["targetPort"] not in ("admin", 9092) for p in child["spec"]["ports"])
+
+
+def test_aggregator_probes_are_tcp_connects_to_its_own_ports() -> None:
+    container = _container(_children(replicas=3), "qwen-aggregator")
+    env = _env(container)
+    ready, live = container["readinessProbe"], container["livenessProbe"]
+    assert set(ready) >= {"tcpSocket"} and set(live) >= {"tcpSocket"}
+    assert _probe_port(container, ready)["containerPort"] == int(env["NOCTAYA_REPORT_PORT"])
+    assert _probe_port(container, live)["containerPort"] == int(env["NOCTAYA_SCALER_PORT"])
+
+
+def test_scaler_tls_does_not_change_the_aggregator_probes() -> None:
+    service = h.llmservice(endpoint={"replicas": 2}, scalerTLS={"secretName": "qwen-scaler-tls",
+                                                                          "triggerAuthentication": "qwen-keda-tls"})
+    children = h.by_kind_name(sync.sync(h.sync_request(service), h.config())["children"])
+    container = _container(children, "qwen-aggregator")
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "report"}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"}
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 16, 32])
+def test_aggregator_caps_fit_every_gateway_behind_one_address(replicas: int) -> None:
+    env = _env(_container(_children(replicas=replicas), "qwen-aggregator"))
+    per_address = int(env["NOCTAYA_MAX_MEMBERS_PER_ADDRESS"])
+    connections = int(env["NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS"])
+    members = int(env["NOCTAYA_MAX_MEMBERS"])
+    # Every gateway and a predecessor each (a rollout that replaced them all, or restarts in place).
+    assert per_address == 2 * replicas
+    assert connections == 2 * per_address
+    # One address at its cap still leaves room for every gateway with its surge.
+    assert members >= 2 * per_address and members >= scaler_resources.MAX_MEMBERS
+    # The aggregator takes them (it refuses values < 1), and a full address stays under its cap on
+    # connections in all (256, not configurable), so the other addresses still get through.
+    settings = AggregatorSettings(token_file="/dev/null", max_members=members, max_members_per_address=per_address,
+                                  max_connections_per_address=connections)
+    assert settings.max_connections_per_address < settings.max_connections
+
+
+# -- a real gateway, its public port's connections all taken -------------------------------------
+
+class Gateway:
+    """`python -m gateway` with the rendered env, on ephemeral loopback ports."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=ROOT, env=env,
+                                     stderr=subprocess.PIPE, text=True)
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        self.ports: dict[str, int] = {}
+        while not self.ports and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("msg") == "gateway listening":
+                self.ports = {"http": record["port"], "admin": record["admin_port"]}
+        assert self.ports, "the gateway did not start"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stderr.close()  # type: ignore[union-attr]
+
+
+def _get(port: int, path: str, timeout: float) -> int | None:
+    """One HTTP/1.1 GET as the kubelet sends it; the status, or None without an answer in time."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n".encode())
+            head = sock.recv(64)
+    except OSError:
+        return None
+    return int(head.split()[1]) if head.startswith(b"HTTP/1.") else None
+
+
+@pytest.fixture
+def gateway() -> Iterator[Gateway]:
+    env = _env(_container(_children(), "qwen-gateway"))
+    env.update({
+        "NOCTAYA_LISTEN_HOST": "127.0.0.1", "NOCTAYA_LISTEN_PORT": "0", "NOCTAYA_ADMIN_PORT": "0",
+        "NOCTAYA_SCALER_MODE": "off", "NOCTAYA_BACKEND_URL": "http://127.0.0.1:9",
+        "NOCTAYA_GATEWAY_WORKERS": "1", "NOCTAYA_MAX_CONNECTIONS": "8",  # a small pool to fill
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
+    })
+    g = Gateway(env)
+    yield g
+    g.close()
+
+
+def test_the_rendered_probes_answer_while_idle_clients_hold_every_public_connection(gateway: Gateway) -> None:
+    container = _container(_children(), "qwen-gateway")
+    timeout = container["readinessProbe"]["timeoutSeconds"]
+    idle = [socket.create_connection(("127.0.0.1", gateway.ports["http"]), timeout=5) for _ in range(8)]
+    try:
+        # The premise of issue #19: with the public pool full, /healthz there fails as a probe (no
+        # answer in time, or a refusal: the kubelet takes only 200-399).
+        public = _get(gateway.ports["http"], "/healthz", timeout)
+        assert public is None or not 200 <= public < 400, public
+        for name in PROBES:
+            if name in container:
+                probe = container[name]
+                port = gateway.ports[_probe_port(container, probe)["name"]]
+                assert _get(port, probe["httpGet"]["path"], timeout) == 200, name
+    finally:
+        for sock in idle:
+            sock.close()
+    # Load balancers may keep using the public /healthz once the idle clients are gone.
+    deadline = time.monotonic() + 10
+    while _get(gateway.ports["http"], "/healthz", timeout) != 200:
+        assert time.monotonic() < deadline, "public /healthz did not recover"
+        time.sleep(0.1)
