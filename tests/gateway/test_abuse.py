@@ -26,6 +26,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -303,6 +304,34 @@ def test_slowloris_heads_bodies_and_trailers_end_at_the_request_deadline() -> No
     assert "Traceback" not in logs
 
 
+def test_idle_connections_are_closed_silently_by_the_idle_timeout_not_the_request_deadline() -> None:
+    backend = FakeBackend().start()
+    idle, deadline = 3.0, 1.0
+    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
+                     NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS=str(deadline), NOCTAYA_CLIENT_IDLE_TIMEOUT_SECONDS=str(idle))
+    try:
+        fresh = connect(pod.port)  # nothing sent: no request has begun, so its deadline does not run
+        used = connect(pod.port)  # idle between two requests of a keep-alive connection
+        used.sendall(request_bytes("GET", "/v1/models"))
+        used_reader = Reader(used)
+        assert used_reader.response().status == 200
+        opened = time.monotonic()
+        time.sleep(deadline + 1.0)
+        assert silent(fresh) and silent(used)  # past the request deadline: still open, nothing written
+        readers = [Reader(fresh), used_reader]
+        for reader in readers:
+            assert reader.closed(idle + 2.0), "idle connection not closed by the idle timeout"
+            assert reader.buf == b"", reader.buf  # closed silently: no 408 for a request that never began
+        closed_after = time.monotonic() - opened
+        assert idle - 0.5 <= closed_after <= idle + 2.0, closed_after
+        fresh.close()
+        used.close()
+    finally:
+        backend.stop()
+        logs = pod.stop()
+    assert "Traceback" not in logs
+
+
 def error_type(raw: bytes) -> str:
     return json.loads(raw[raw.index(b"\r\n\r\n") + 4:])["error"]["type"]
 
@@ -533,33 +562,42 @@ def test_a_worker_killed_mid_hold_returns_its_bytes_at_once(tmp_path: Path) -> N
         assert pod.queue()["heldBytesLimit"] == budget
         assert len(pod.workers()) == 2
 
-        def send(source: str) -> tuple[socket.socket, Response | None]:
-            """A large cold request; (socket, None) when held, else the refusal."""
+        def send(source: str, held_when: Callable[[dict], bool]) -> tuple[socket.socket, Response | None]:
+            """A large cold request: (socket, None) once the Pod's figures say it is held (``held_when``)
+            with no answer, else its answer; a connection closed without one raises ConnectionError."""
             sock = connect(pod.port, source, timeout=30)
             try:
                 sock.sendall(chat_request(body))
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            sock.settimeout(0.5)
-            try:
-                return sock, Reader(sock).response()
-            except TimeoutError:
-                sock.settimeout(60)
-                return sock, None
+            reader = Reader(sock)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                sock.settimeout(0.2)
+                try:
+                    response = reader.response()
+                except TimeoutError:
+                    if held_when(pod.queue()) and silent(sock):
+                        sock.settimeout(60)
+                        return sock, None
+                    continue
+                sock.close()
+                if response is None:
+                    raise ConnectionError("closed without an answer")
+                return sock, response
+            raise AssertionError("neither held nor answered in 20 s")
 
         i = 0
         while len(held) < budget // size:
             before = pod.queue()["queued"]
-            sock, refusal = send(f"127.0.3.{1 + i}")
+            sock, refusal = send(f"127.0.3.{1 + i}", lambda q, before=before: q["queued"] == before + 1)
             i += 1
             assert refusal is None, refusal
-            wait_until(lambda before=before: pod.queue()["queued"] == before + 1, 10, "held")
             held.append(sock)
         q = pod.queue()
         assert q["heldBytes"] == len(held) * len(chat_request(body).split(b"\r\n\r\n", 1)[1]) and q["heldBytes"] <= budget
         # Full: the next one does not fit.
-        sock, refusal = send("127.0.3.200")
-        sock.close()
+        _, refusal = send("127.0.3.200", lambda q: False)
         error = assert_error(refusal, 429, "queue_full")
         assert "bytes" in error["message"], error
         # Kill the worker holding the most, mid-hold.
@@ -570,17 +608,23 @@ def test_a_worker_killed_mid_hold_returns_its_bytes_at_once(tmp_path: Path) -> N
         os.kill(victim["pid"], signal.SIGKILL)
         killed = time.monotonic()
 
+        def without_victim(q: dict) -> bool:
+            return q["queued"] == survivor_queued + 1 and victim["pid"] not in [w["pid"] for w in q["perWorker"]]
+
         def admitted() -> bool:
-            sock, refusal = send(f"127.0.4.{int((time.monotonic() - killed) * 10) % 250 + 1}")
+            try:
+                sock, refusal = send(f"127.0.4.{int((time.monotonic() - killed) * 10) % 250 + 1}", without_victim)
+            except ConnectionError:
+                return False  # queued on the dead worker's listening socket in the instant it died
             if refusal is None:
                 held.append(sock)
                 return True
-            sock.close()
             assert_error(refusal, 429, "queue_full")
             return False
 
         wait_until(admitted, 5, "a request that fits the budget admitted after the kill", interval=0.2)
         took = time.monotonic() - killed
+        assert took < 6, took
         seen: list[dict] = []
 
         def settled() -> dict | None:
