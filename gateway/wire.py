@@ -276,16 +276,12 @@ class UpstreamParser:
             raise UpstreamProtocolError(type(exc).__name__) from None
 
     def _take_head_lines(self) -> list[bytes]:
+        # llhttp has accepted the head, so it ends with CRLF CRLF (it refuses bare LF line ends and
+        # obsolete line folding) and every header line has a colon.
         raw, start = self._raw, self._scan
         end = raw.find(b"\r\n\r\n", start)
-        if end >= 0:
-            self._scan = end + 4
-            return raw[start:end].split(b"\r\n")
-        end = raw.find(b"\n\n", start)  # a backend using bare LF (llhttp accepted it)
-        if end < 0:
-            raise UpstreamProtocolError("response head not found")
-        self._scan = end + 2
-        return [line.rstrip(b"\r") for line in raw[start:end].split(b"\n")]
+        self._scan = end + 4
+        return raw[start:end].split(b"\r\n")
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -300,14 +296,8 @@ class UpstreamParser:
         headers = head.headers
         kept = head.kept
         for line in lines[1:]:
-            if line[:1] in (b" ", b"\t") and headers:  # obsolete line folding
-                name, value = headers.pop()
-                value = value + b" " + line.strip(b" \t")
-                if kept and kept[-1][0] is name:
-                    kept.pop()
-            else:
-                name, _, value = line.partition(b":")
-                value = value.strip(b" \t")
+            name, _, value = line.partition(b":")
+            value = value.strip(b" \t")
             headers.append((name, value))
             lower = name.lower()
             if lower not in _NOT_RELAYED:

@@ -43,8 +43,8 @@ __all__ = ["main", "default_workers", "run_worker"]
 log = logging.getLogger("noctaya.gateway")
 
 RESTART_BACKOFF_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0)
-KILL_MARGIN_SECONDS = 10.0
-GC_THRESHOLD = 50_000  # after the drain grace: workers still alive are killed
+KILL_MARGIN_SECONDS = 10.0  # after the drain grace + this: workers still alive are killed
+GC_THRESHOLD = 50_000  # young-generation allocations between cyclic collections (see run_worker)
 _PR_SET_PDEATHSIG = 1
 
 
