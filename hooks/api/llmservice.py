@@ -430,6 +430,23 @@ class Endpoint(ApiModel):
         "reject answers 503 with Retry-After while the backend still wakes.",
     )
     retry_after_seconds: int = Field(default=10, ge=1, le=3600, description="Retry-After of reject-mode 503s.")
+    max_connections_per_address: int | None = Field(
+        default=None,
+        ge=0,
+        description="Open client connections one source address may hold on each gateway worker process; "
+        "beyond it a new connection gets 429 too_many_connections and is closed. Unset: half of the worker's "
+        "connection pool (2048 of 4096), so one address cannot take them all; 0: no cap. Behind an ingress "
+        "controller, a mesh sidecar or source NAT (e.g. a LoadBalancer Service with externalTrafficPolicy "
+        "Cluster) many or all clients reach the gateway from one address: raise it there, or set 0.",
+    )
+    request_timeout_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=3600,
+        description="Seconds a client has to send one whole request (head and body, from its first byte); "
+        "beyond it the client gets 408 request_timeout and the connection is closed. Unset: 60 (an 8 MiB "
+        "body at 140 KB/s). Raise it for clients on slow links sending large bodies.",
+    )
     auth: EndpointAuth | None = Field(default=None, description="Optional client API-key authentication.")
     resources: ResourceRequirements | None = Field(
         default=None, description="Gateway container resources (defaults: 100m CPU, 128Mi request; 512Mi limit)."

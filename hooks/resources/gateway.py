@@ -158,6 +158,11 @@ def env(ctx: RenderContext) -> list[dict[str, str]]:
         _env("NOCTAYA_BACKEND_ACCELERATORS", spec.resources.accelerators),
         _env("NOCTAYA_MAX_BODY_BYTES", MAX_BODY_BYTES),
     ]
+    # Only when set: the gateway's own defaults otherwise (an unchanged template for everyone else).
+    if ep.max_connections_per_address is not None:
+        out.append(_env("NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", ep.max_connections_per_address))
+    if ep.request_timeout_seconds is not None:
+        out.append(_env("NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS", ep.request_timeout_seconds))
     if ep.auth is not None:
         out.append(_env("NOCTAYA_AUTH_KEY_FILE", f"{AUTH_DIR}/{AUTH_FILE}"))
         out.append(_env("NOCTAYA_AUTH_SECRET", ep.auth.secret_ref.name))

@@ -96,7 +96,7 @@ class LocalPods:
             path.chmod(0o400)
 
     def wait_http(self, port: int, path: str = "/healthz", timeout: float = 30.0) -> None:
-        """Until every replica answers ``path`` on ``port`` (the gateway's liveness endpoint)."""
+        """Until every replica answers ``path`` on ``port`` (the public /healthz, as load balancers ask it)."""
         for name, address in zip(self._names, self.addresses, strict=True):
             deadline = time.monotonic() + timeout
             while True:

@@ -344,6 +344,16 @@ LLM_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
         {"model": {"source": "hf://o/m"}, "runtime": {"name": "r"}, "scaling": {"activationTimeout": "1s"}},
         None,
     ),
+    (  # the gateway's client limits at their bounds (0 = no per-address cap)
+        {"model": {"source": "hf://o/m"}, "runtime": {"name": "r"},
+         "endpoint": {"maxConnectionsPerAddress": 0, "requestTimeoutSeconds": 1}},
+        None,
+    ),
+    (
+        {"model": {"source": "hf://o/m"}, "runtime": {"name": "r"},
+         "endpoint": {"maxConnectionsPerAddress": 100000, "requestTimeoutSeconds": 3600}},
+        None,
+    ),
     (
         {"model": {"source": "hf://o/m"}, "runtime": {"name": "r"}, "cache": {"strategy": "HostPath", "hostPath": "/d"}},
         None,

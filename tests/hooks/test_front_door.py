@@ -5,7 +5,9 @@
 - the aggregate scaler's probes are TCP connects, which its report port's connection caps cannot
   refuse;
 - the aggregate scaler's per-address caps fit every gateway behind one address (mesh sidecar,
-  SNAT), with a rolling update's surge.
+  SNAT), with a rolling update's surge;
+- `endpoint.maxConnectionsPerAddress` and `endpoint.requestTimeoutSeconds` reach the gateway's env
+  only when set (the gateway's own defaults otherwise), and the gateway enforces what was rendered.
 
 The real-process checks start `python -m gateway` with the rendered env."""
 
@@ -23,9 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 
-from gateway.config import load_config
+from gateway.config import GatewayConfig, load_config
+from hooks.api.llmservice import Endpoint
 from hooks.controller import sync
 from hooks.resources import scaler as scaler_resources
 from scaler.aggregator import AggregatorSettings
@@ -116,6 +120,57 @@ def test_aggregator_caps_fit_every_gateway_behind_one_address(replicas: int) -> 
     assert settings.max_connections_per_address < settings.max_connections
 
 
+# -- the client limits of the gateway: endpoint.maxConnectionsPerAddress, requestTimeoutSeconds ---
+
+LIMIT_ENV = ("NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", "NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS")
+
+
+def test_client_limits_are_not_rendered_unless_set() -> None:
+    # Everyone else's gateway template stays as it was; the gateway applies its own defaults.
+    env = _env(_container(_children(), "qwen-gateway"))
+    assert not set(LIMIT_ENV) & set(env)
+    config = load_config([], {**env, "NOCTAYA_SCALER_MODE": "off"})
+    assert config.client_request_timeout_seconds == GatewayConfig.client_request_timeout_seconds == 60
+    assert config.connections_per_address == config.max_connections // 2 == 2048
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+@pytest.mark.parametrize(("per_address", "timeout"), [(0, 1), (64, 300), (10000, 3600)])
+def test_client_limits_render_into_the_gateway_env(replicas: int, per_address: int, timeout: int) -> None:
+    children = _children(replicas=replicas, maxConnectionsPerAddress=per_address, requestTimeoutSeconds=timeout)
+    env = _env(_container(children, "qwen-gateway"))
+    assert env["NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS"] == str(per_address)
+    assert env["NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS"] == str(timeout)
+    # What the gateway reads from it: 0 is "no cap", not the default.
+    config = load_config([], {**env, "NOCTAYA_SCALER_MODE": "off"})
+    assert config.connections_per_address == per_address
+    assert config.client_request_timeout_seconds == timeout
+    # Only the gateway gets them: the aggregate scaler's own per-address caps are rendered from the
+    # gateway count, whatever the client-facing cap is.
+    if replicas > 1:
+        aggregator = _env(_container(children, "qwen-aggregator"))
+        assert aggregator["NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS"] == str(4 * replicas)
+        assert "NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS" not in aggregator
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("maxConnectionsPerAddress", -1, "greater than or equal to 0"),
+    ("requestTimeoutSeconds", 0, "greater than or equal to 1"),
+    ("requestTimeoutSeconds", 3601, "less than or equal to 3600"),
+    ("requestTimeoutSeconds", 1.5, "valid integer"),
+    ("maxConnectionsPerAddress", "many", "valid integer"),
+])
+def test_client_limits_are_validated(field: str, value: Any, message: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as err:
+        Endpoint.model_validate({field: value})
+    (error,) = err.value.errors()
+    assert error["loc"] == (field,) and message in error["msg"], error
+    # The hooks report such a spec (which the CRD refuses at admission) instead of rendering it.
+    answer = sync.sync(h.sync_request(h.llmservice(endpoint={field: value})), h.config())
+    ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and field in ready["message"], ready
+
+
 # -- a real gateway, its public port's connections all taken -------------------------------------
 
 class Gateway:
@@ -160,18 +215,57 @@ def _get(port: int, path: str, timeout: float) -> int | None:
     return int(head.split()[1]) if head.startswith(b"HTTP/1.") else None
 
 
-@pytest.fixture
-def gateway() -> Iterator[Gateway]:
-    env = _env(_container(_children(), "qwen-gateway"))
+def _local_env(**endpoint: Any) -> dict[str, str]:
+    """The rendered gateway env, moved onto ephemeral loopback ports with one worker."""
+    env = _env(_container(_children(**endpoint), "qwen-gateway"))
     env.update({
         "NOCTAYA_LISTEN_HOST": "127.0.0.1", "NOCTAYA_LISTEN_PORT": "0", "NOCTAYA_ADMIN_PORT": "0",
         "NOCTAYA_SCALER_MODE": "off", "NOCTAYA_BACKEND_URL": "http://127.0.0.1:9",
         "NOCTAYA_GATEWAY_WORKERS": "1", "NOCTAYA_MAX_CONNECTIONS": "8",  # a small pool to fill
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
     })
-    g = Gateway(env)
+    return env
+
+
+@pytest.fixture
+def gateway() -> Iterator[Gateway]:
+    g = Gateway(_local_env())
     yield g
     g.close()
+
+
+def _answer(sock: socket.socket, timeout: float) -> tuple[int, str, bytes]:
+    """Status, error code and head of the one answer on ``sock`` (read until the server closes)."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]["code"], head
+
+
+def test_the_gateway_enforces_the_rendered_client_limits() -> None:
+    gateway = Gateway(_local_env(maxConnectionsPerAddress=2, requestTimeoutSeconds=1))
+    port = gateway.ports["http"]
+    held: list[socket.socket] = []
+    try:
+        # Two connections from 127.0.0.1 are the rendered cap (the pool holds 8): a third is refused.
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
+            status, code, head = _answer(third, 5)
+        assert (status, code) == (429, "too_many_connections") and b"Connection: close" in head
+        # A request that is still not whole after the rendered second (not the default 60) gets 408.
+        slow = held[0]
+        started = time.monotonic()
+        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        status, code, head = _answer(slow, 10)
+        assert (status, code) == (408, "request_timeout") and b"Connection: close" in head
+        assert 0.9 <= time.monotonic() - started < 5
+    finally:
+        for sock in held:
+            sock.close()
+        gateway.close()
 
 
 def test_the_rendered_probes_answer_while_idle_clients_hold_every_public_connection(gateway: Gateway) -> None:
