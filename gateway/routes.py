@@ -202,7 +202,7 @@ class GatewayApp:
         """Answered locally while cold (listing must never wake a GPU: no slot, no lease, no demand -
         not even the brief in-flight count of a proxied request, which KEDA would see)."""
         if self.activation.ready:
-            conn.timing = RequestTiming(head.arrived, False)  # a listing has no first token
+            conn.timing.start(head.arrived, False)  # a listing has no first token
             try:
                 upstream = self.pool.acquire()
             except ConnectFailed:
@@ -226,7 +226,7 @@ class GatewayApp:
 
     # -- a request for the backend -------------------------------------------------------------------
     def _forward_request(self, conn: ClientConnection, head: RequestHead) -> bool:
-        conn.timing = RequestTiming(head.arrived, produces_tokens(head.method, head.path))
+        conn.timing.start(head.arrived, produces_tokens(head.method, head.path))
         reservation = self.activation.slots.reservation()
         try:
             data = b""

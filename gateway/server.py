@@ -28,6 +28,7 @@ from gevent.server import StreamServer
 from gateway.errors import ERRORS, error_body
 from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all
 from gateway.state.admission import BodyReservation
+from gateway.timing import RequestTiming
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class ClientConnection:
         self.request_id = b""
         self.keep_alive = True  # the current request lets the connection carry another one
         self.version = "1.1"
-        self.timing: Any = None  # the current request's gateway.timing.RequestTiming
+        self.timing = RequestTiming()  # the current request's (restarted per request)
         self.reader = ReadWaiter(self.raw.fileno(), on_idle=self._on_idle_readable)
 
     # -- reading -------------------------------------------------------------------------------

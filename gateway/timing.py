@@ -15,11 +15,12 @@ from __future__ import annotations
 __all__ = ["RequestTiming", "produces_tokens", "TOKEN_PATHS"]
 
 TOKEN_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+_TOKEN_PATHS = TOKEN_PATHS | {p + "/" for p in TOKEN_PATHS}
 
 
 def produces_tokens(method: bytes, path: str) -> bool:
     """Whether an answer to this request starts with a first token."""
-    return method == b"POST" and path.rstrip("/") in TOKEN_PATHS
+    return method == b"POST" and path in _TOKEN_PATHS
 
 
 class RequestTiming:
@@ -28,7 +29,11 @@ class RequestTiming:
 
     __slots__ = ("arrived", "timed", "cold")
 
-    def __init__(self, arrived: float, timed: bool) -> None:
+    def __init__(self, arrived: float = 0.0, timed: bool = False) -> None:
+        self.start(arrived, timed)
+
+    def start(self, arrived: float, timed: bool) -> None:
+        """A new request on the connection (one object per connection: no allocation per request)."""
         self.arrived = arrived
         self.timed = timed
         self.cold = False
