@@ -95,3 +95,64 @@ def test_recording_rules_compute_accelerator_hours_and_cold_starts(promtool: Pat
     path.write_text(yaml.safe_dump(tests, sort_keys=False))
     result = subprocess.run([str(promtool), "test", "rules", str(path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Accelerator-hours of series shorter than 24 h and with gaps, evaluated at 1439m (a window holding
+# minutes 0..1439): each model has 2 accelerators per replica.
+PARTIAL_DAY = """
+# Created 12 h ago (minute 720) and at one replica since: 12 h x 2 = 24 accelerator-hours, not 48.
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="young-backend"}'
+  values: '_x720 1x719'
+- series: 'noctaya_gateway_backend_accelerators_per_replica{namespace="models", llmservice="young", pod="young-gateway-a"}'
+  values: '_x720 2x719'
+# Created 12 h ago and at zero since: holds nothing; min 1 would have held 24.
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="idle-backend"}'
+  values: '_x720 0x719'
+- series: 'noctaya_gateway_backend_accelerators_per_replica{namespace="models", llmservice="idle", pod="idle-gateway-a"}'
+  values: '_x720 2x719'
+# One replica all day, but kube-state-metrics was not scraped from minute 360 to 719 (stale, then
+# nothing): the 6 h without a value count as nothing, 18 h x 2 = 36.
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="gappy-backend"}'
+  values: '1x359 stale _x359 1x719'
+- series: 'noctaya_gateway_backend_accelerators_per_replica{namespace="models", llmservice="gappy", pod="gappy-gateway-a"}'
+  values: '2x1439'
+# One replica all day with two missed scrapes (no stale marker): bridged by the lookback, 24 h x 2 = 48.
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="blip-backend"}'
+  values: '1x599 _ _ 1x837'
+- series: 'noctaya_gateway_backend_accelerators_per_replica{namespace="models", llmservice="blip", pod="blip-gateway-a"}'
+  values: '2x1439'
+# Deleted 6 h ago (minute 1080): held 18 h x 2 = 36 over the last 24 h, as min 1 would have.
+- series: 'kube_deployment_status_replicas{namespace="models", deployment="gone-backend"}'
+  values: '1x1079 stale'
+- series: 'noctaya_gateway_backend_accelerators_per_replica{namespace="models", llmservice="gone", pod="gone-gateway-a"}'
+  values: '2x1079 stale'
+"""
+
+
+def run_promtool_tests(promtool: Path, rule_file: Path, tmp_path: Path, series: str,
+                       checks: list[dict[str, object]]) -> None:
+    tests = {
+        "rule_files": [str(rule_file)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": yaml.safe_load(series), "promql_expr_test": checks}],
+    }
+    path = tmp_path / "tests.yaml"
+    path.write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = subprocess.run([str(promtool), "test", "rules", str(path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_accelerator_hours_count_only_the_minutes_with_a_value(promtool: Path, rule_file: Path,
+                                                               tmp_path: Path) -> None:
+    expected = {"young": (24, 0), "idle": (0, 24), "gappy": (36, 0), "blip": (48, 0), "gone": (36, 0)}
+    checks: list[dict[str, object]] = []
+    for record, column in (("llmservice:noctaya_accelerator_hours_held:24h", 0),
+                           ("llmservice:noctaya_accelerator_hours_saved:24h", 1)):
+        checks.append({"expr": f"{record} * 1000", "eval_time": "1439m", "exp_samples": [
+            {"labels": f'{{namespace="models", llmservice="{name}"}}', "value": hours[column] * 1000}
+            for name, hours in expected.items()]})
+    # Half-way through the young model's first day: 6 h held so far, 12 accelerator-hours.
+    checks.append({"expr": 'llmservice:noctaya_accelerator_hours_held:24h{llmservice="young"}', "eval_time": "1079m",
+                   "exp_samples": [{"labels": 'llmservice:noctaya_accelerator_hours_held:24h{namespace="models", llmservice="young"}',
+                                    "value": 12}]})
+    run_promtool_tests(promtool, rule_file, tmp_path, PARTIAL_DAY, checks)
