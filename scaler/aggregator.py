@@ -24,16 +24,20 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.jsonscan import InvalidJSON, inspect_json_body
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.secretfiles import read_secret_file
 from scaler.tls import ReloadingServerContext, TLSFiles
 
-__all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "read_token_file"]
+__all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "parse_report", "read_token_file"]
 
 log = logging.getLogger("noctaya.scaler.aggregator")
 
 _MEMBER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _MAX_SEQ = 2**63 - 1
+# A report is one flat object of scalars (scaler/reporter.py): a nested value is refused before
+# json.loads could build it, so a token holder can't make the parser recurse or allocate per item.
+_MAX_REPORT_DEPTH = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +106,20 @@ class Report:
         if "seq" not in data:
             raise ReportError("seq is required")
         return cls(member, count("seq"), count("queued"), count("inFlight"), flag("leaseActive"), flag("withdraw"))
+
+
+def parse_report(body: bytes) -> Report:
+    """The report in a request body; ReportError (HTTP 400) for anything else. The body is checked
+    in bounded memory first (gateway.jsonscan): only a flat JSON object reaches json.loads."""
+    try:
+        inspect_json_body(body, max_depth=_MAX_REPORT_DEPTH)
+    except InvalidJSON as exc:
+        if exc.kind == "depth":
+            raise ReportError("report must be a flat JSON object (no nested values)") from None
+        if exc.kind == "not_object":
+            raise ReportError("report must be a JSON object") from None
+        raise ReportError(exc.reason) from None
+    return Report.from_json(json.loads(body))
 
 
 @dataclass(slots=True)
@@ -521,7 +539,7 @@ class _ReportHandler(BaseHTTPRequestHandler):
                 return
             self.server.answering(self.connection)
             try:
-                report = Report.from_json(json.loads(body))
+                report = parse_report(body)
             except (ValueError, UnicodeDecodeError) as exc:
                 aggregator._metrics.reports.labels("invalid").inc()
                 message = str(exc) if isinstance(exc, ReportError) else "body is not valid JSON"

@@ -16,7 +16,7 @@ import requests
 
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
-from scaler.aggregator import Aggregator, AggregatorSettings, MemberTable, Report, ReportError
+from scaler.aggregator import Aggregator, AggregatorSettings, MemberTable, Report, ReportError, parse_report
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.service import start_scaler_server
 
@@ -217,6 +217,53 @@ def test_bad_json_is_400(make_aggregator) -> None:
                       headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
     assert post(agg, {"member": "g1", "seq": "1"}).status_code == 400
+
+
+def test_parse_report_refuses_what_json_loads_would_build_or_recurse_on() -> None:
+    assert parse_report(b'{"member":"g1","seq":1,"queued":2}') == Report("g1", 1, 2, 0, False, False)
+    for body, message in [
+        (b"[]", "report must be a JSON object"), (b'"x"', "report must be a JSON object"),
+        (b'{"member":"g1","seq":1,"extra":{}}', "report must be a flat JSON object (no nested values)"),
+        (b'{"member":"g1","seq":1,"pad":[' + b"0," * 30_000 + b"0]}", "report must be a flat JSON object (no nested values)"),
+        (b'{"member":"g1","seq":' + b"[" * 100_000, "report must be a flat JSON object (no nested values)"),
+        (b"", "empty body"), (b'{"member":"g1","seq":1', "body is not valid JSON"),
+        (b'{"member":"g1","seq":NaN}', "body is not valid JSON"), (b'{"member":"g\xff","seq":1}', "body is not valid UTF-8"),
+    ]:
+        with pytest.raises(ReportError) as info:
+            parse_report(body)
+        assert str(info.value) == message, body
+
+
+def test_hostile_report_bodies_are_400_before_any_state_changes(make_aggregator) -> None:
+    agg = make_aggregator()
+    assert post(agg, {"member": "g1", "seq": 1, "queued": 3}).status_code == 200
+    limit = agg.settings.max_body_bytes
+
+    def raw(body: bytes) -> requests.Response:
+        return requests.post(f"http://127.0.0.1:{agg.port}/v1/report", data=body, timeout=10,
+                             headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+
+    def at_limit(head: bytes, unit: bytes, tail: bytes) -> bytes:
+        body = head + unit * ((limit - len(head) - len(tail)) // len(unit))
+        body += b" " * (limit - len(body) - len(tail)) + tail
+        assert len(body) == limit
+        return body
+
+    hostile = [
+        at_limit(b'{"member":"g1","seq":2,"queued":0,"pad":', b"[", b""),  # ~64 K levels deep
+        at_limit(b'{"member":"g1","seq":2,"queued":0,"pad":[', b"[],", b"[]]}"),  # 21 K empty lists
+        at_limit(b'{"member":"g1","seq":2,"queued":0,"pad":[', b"0,", b"0]}"),
+        at_limit(b"[", b"0,", b"0]"),  # not an object
+    ]
+    for body in hostile:
+        r = raw(body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
+    assert agg.broadcaster.current() == Demand(queued=3, in_flight=0, lease_active=False)  # seq 2 never applied
+    # a flat report at the limit is still read
+    flat = at_limit(b'{"member":"g1","seq":3,"queued":5,"pad":"', b"x", b'"}')
+    assert raw(flat).status_code == 200
+    assert agg.broadcaster.current() == Demand(queued=5, in_flight=0, lease_active=False)
+    assert agg.member_count == 1
 
 
 def _hold_report(port: int) -> socket.socket:
