@@ -17,9 +17,10 @@ from gateway.wire import RequestHead
 
 __all__ = ["Route", "route", "has_dot_segment", "is_models_path", "is_json", "inspect_cold_body", "MAX_JSON_DEPTH"]
 
-# OpenAI bodies nest a handful of levels (a tool's JSON schema a few more); 128 leaves room for any
-# real request and bounds what a hostile one costs.
-MAX_JSON_DEPTH = 128
+# OpenAI bodies nest a handful of levels; a tool's or response format's JSON schema adds two per
+# nested property (about 25 for ten nested objects). 64 leaves room for any real request while the
+# scanner's compiled expression (about 90 KiB per level, gateway.jsonscan) stays small.
+MAX_JSON_DEPTH = 64
 _DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
 _OPENS_OBJECT = re.compile(rb"[ \t\r\n]*\{")
 

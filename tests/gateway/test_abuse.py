@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.policy import MAX_JSON_DEPTH
 from tests.gateway.abuse_harness import (
     ActiveStream,
     GatewayPod,
@@ -476,8 +477,8 @@ def test_json_bombs_on_cold_streams_stay_under_256_mib_and_wake_nothing(tmp_path
                 ("100,000 deep, chunked", chunked_request(deep), 400, "invalid_json"),
             ]
         attacks += [
-            ("depth 129", chat_request(nested(129)), 400, "invalid_json"),
-            ("depth 129, chunked", chunked_request(nested(129)), 400, "invalid_json"),
+            ("depth 65", chat_request(nested(MAX_JSON_DEPTH + 1)), 400, "invalid_json"),
+            ("depth 65, chunked", chunked_request(nested(MAX_JSON_DEPTH + 1)), 400, "invalid_json"),
             ("malformed", chat_request(b'{"model":"m","stream":true,"messages":['), 400, "invalid_json"),
             ("top-level array", chat_request(b'[{"model":"m","stream":true}]'), 400, "invalid_json"),
             ("top-level string", chat_request(b'"stream"'), 400, "invalid_json"),
@@ -506,9 +507,9 @@ def test_json_bombs_on_cold_streams_stay_under_256_mib_and_wake_nothing(tmp_path
             assert pod.queue()["heldBytes"] == 0
             assert not stream.saw_true and stream.is_active() is False, stream.values
             # Exactly at the limits, valid bodies are admitted: 8 MiB of small values (two at once) and
-            # nesting 128 deep. They are held (the stream committed) and answered once the backend wakes.
+            # nesting MAX_JSON_DEPTH deep. They are held (the stream committed) and answered once the backend wakes.
             accepted = [chat_request(small_values(MAX_BODY)), chat_request(small_values(MAX_BODY)),
-                        chat_request(nested(128)),
+                        chat_request(nested(MAX_JSON_DEPTH)),
                         chat_request(chat(stream=True, content="[{" * 5000))]  # brackets in a string are not depth
             socks = []
             for i, raw in enumerate(accepted):
