@@ -56,7 +56,9 @@ def by_key(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
 
 def test_helm_lint_passes_and_the_schema_refuses_bad_values(helm: Path) -> None:
     run_helm(helm, "lint", "--strict", str(CHART))
-    for bad in ("hooks.replicas=0", "image.pullPolicy=Sometimes", "unknownKey=1"):
+    for bad in ("hooks.replicas=0", "image.pullPolicy=Sometimes", "unknownKey=1", "clusterDomain=Corp_Example",
+                "imagePullSecrets[0].name=Bad_Name", "hooks.tolerations[0].operator=Maybe",
+                "hooks.affinity.nodeSelector.a=b", "hooks.resources.request.cpu=1"):
         out = run_helm(helm, "lint", str(CHART), "--set", bad, check=False)
         assert out.returncode != 0, f"--set {bad} was accepted"
 
@@ -108,6 +110,139 @@ def test_values_change_only_what_they_name(helm: Path) -> None:
     assert controller["spec"]["hooks"]["sync"]["webhook"]["caBundle"]["secretRef"]["name"] == "my-tls"
     binding = docs[("ClusterRoleBinding", "noctaya-metacontroller")]
     assert binding["subjects"][0]["namespace"] == "mc"
+
+
+def flatten(node: Any, path: str = "") -> dict[str, Any]:
+    """Leaf paths of an object; list items that all have a `name` are addressed by it (env[NOCTAYA_IMAGE])."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flatten(value, f"{path}.{key}" if path else key))
+        return out or {path: {}}
+    if isinstance(node, list):
+        named = all(isinstance(v, dict) and "name" in v for v in node) and len({v["name"] for v in node}) == len(node)
+        out = {}
+        for index, value in enumerate(node):
+            out.update(flatten(value, f"{path}[{value['name'] if named else index}]"))
+        return out or {path: []}
+    return {path: node}
+
+
+def effect(helm: Path, tmp_path: Path, values: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """What a values file changes against the defaults: `Kind/name: path` -> (default, with it); a whole
+    object that appears or goes away is `Kind/name` -> (None, "present") or ("present", None). The
+    random generated Secrets are left out."""
+    file = tmp_path / "values.yaml"
+    file.write_text(yaml.safe_dump(values))
+
+    def rendered(*args: str) -> dict[str, dict[str, Any]]:
+        return {f"{kind}/{name}": flatten(doc) for (kind, name), doc in by_key(template(helm, *args)).items()
+                if kind != "Secret"}
+
+    base, other = rendered(), rendered("--values", str(file))
+    changes: dict[str, tuple[Any, Any]] = {}
+    for key in base.keys() | other.keys():
+        if key not in other or key not in base:
+            changes[key] = ("present" if key in base else None, "present" if key in other else None)
+            continue
+        for path in base[key].keys() | other[key].keys():
+            if base[key].get(path) != other[key].get(path):
+                changes[f"{key}: {path}"] = (base[key].get(path), other[key].get(path))
+    return changes
+
+
+POD = "Deployment/noctaya-hooks: spec.template.spec"
+CONTAINER = f"{POD}.containers[hooks]"
+
+
+def test_image_pull_policy_reaches_the_hook_server_and_what_it_renders(helm: Path, tmp_path: Path) -> None:
+    assert effect(helm, tmp_path, {"image": {"pullPolicy": "Always"}}) == {
+        f"{CONTAINER}.imagePullPolicy": ("IfNotPresent", "Always"),
+        f"{CONTAINER}.env[NOCTAYA_IMAGE_PULL_POLICY].value": ("IfNotPresent", "Always"),
+    }
+
+
+def test_one_hook_replica_has_no_disruption_budget(helm: Path, tmp_path: Path) -> None:
+    # minAvailable: 1 over one replica would refuse every eviction: the node could never be drained.
+    assert effect(helm, tmp_path, {"hooks": {"replicas": 1}}) == {
+        "Deployment/noctaya-hooks: spec.replicas": (2, 1),
+        "PodDisruptionBudget/noctaya-hooks": ("present", None),
+    }
+    assert effect(helm, tmp_path, {"hooks": {"replicas": 3}}) == {"Deployment/noctaya-hooks: spec.replicas": (2, 3)}
+    pdb = by_key(template(helm, "--set", "hooks.replicas=3"))[("PodDisruptionBudget", "noctaya-hooks")]
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "noctaya-hooks"}}}
+
+
+def test_hook_server_resources(helm: Path, tmp_path: Path) -> None:
+    assert effect(helm, tmp_path, {"hooks": {"resources": {"requests": {"cpu": "50m"}, "limits": {"cpu": 2, "memory": "1Gi"}}}}) == {
+        f"{CONTAINER}.resources.requests.cpu": ("100m", "50m"),
+        f"{CONTAINER}.resources.limits.cpu": (None, 2),
+        f"{CONTAINER}.resources.limits.memory": ("512Mi", "1Gi"),
+    }
+
+
+def test_hook_server_placement(helm: Path, tmp_path: Path) -> None:
+    assert effect(helm, tmp_path, {"hooks": {"nodeSelector": {"node-role.kubernetes.io/control-plane": ""}}}) == {
+        f"{POD}.nodeSelector.node-role.kubernetes.io/control-plane": (None, ""),
+    }
+    toleration = {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"}
+    assert effect(helm, tmp_path, {"hooks": {"tolerations": [toleration]}}) == {
+        f"{POD}.tolerations[0].{k}": (None, v) for k, v in toleration.items()
+    }
+    # Node affinity adds to the default spread over nodes ...
+    term = {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["arm64"]}]}
+    node_affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+    prefix = f"{POD}.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0]"
+    assert effect(helm, tmp_path, {"hooks": {"affinity": {"nodeAffinity": node_affinity}}}) == {
+        f"{prefix}.key": (None, "kubernetes.io/arch"), f"{prefix}.operator": (None, "In"), f"{prefix}.values[0]": (None, "arm64"),
+    }
+    # ... and null removes that spread (then the whole affinity, which is empty).
+    removed = effect(helm, tmp_path, {"hooks": {"affinity": {"podAntiAffinity": None}}})
+    assert removed and all(path.startswith(f"{POD}.affinity.podAntiAffinity.") and new is None
+                           for path, (_, new) in removed.items())
+    docs = by_key(template(helm, "--values", str(tmp_path / "values.yaml")))
+    assert "affinity" not in docs[("Deployment", "noctaya-hooks")]["spec"]["template"]["spec"]
+
+
+def test_image_pull_secrets_for_a_private_mirror(helm: Path, tmp_path: Path) -> None:
+    assert effect(helm, tmp_path, {"imagePullSecrets": [{"name": "mirror-pull"}, {"name": "fallback"}]}) == {
+        f"{POD}.imagePullSecrets[mirror-pull].name": (None, "mirror-pull"),
+        f"{POD}.imagePullSecrets[fallback].name": (None, "fallback"),
+    }
+
+
+def test_cluster_domain_reaches_the_hooks_and_the_certificate(helm: Path, tmp_path: Path) -> None:
+    assert effect(helm, tmp_path, {"clusterDomain": "corp.example"}) == {
+        f"{CONTAINER}.env[NOCTAYA_CLUSTER_DOMAIN].value": ("cluster.local", "corp.example"),
+    }
+    tls = by_key(template(helm, "--set", "clusterDomain=corp.example"))[("Secret", "noctaya-hooks-tls")]
+    text = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName"], input=base64.b64decode(tls["data"]["tls.crt"]),
+                          capture_output=True, check=True, timeout=30).stdout.decode()
+    assert f"DNS:noctaya-hooks.{NAMESPACE}.svc, DNS:noctaya-hooks.{NAMESPACE}.svc.corp.example" in text
+    assert "cluster.local" not in text
+
+
+def test_the_hooks_render_with_what_the_chart_sets(helm: Path) -> None:
+    """The env the chart gives the hook server, read the way the hook server reads it, changes what the
+    hooks render: the scaler addresses in the cluster domain, the pull policy of Noctaya's containers."""
+    from hooks.config import HookConfig
+    from hooks.render import render_documents
+    from tests.kube.manifests import EXAMPLES_DIR, load_documents
+
+    hooks = by_key(template(helm, "--set", "clusterDomain=corp.example", "--set", "image.pullPolicy=Always",
+                            "--set", "image.tag=9.9.9"))[("Deployment", "noctaya-hooks")]
+    env = {e["name"]: e["value"] for e in hooks["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env.pop("NOCTAYA_TOKEN_KEY_FILE")  # a file in the Pod
+    inputs = load_documents(EXAMPLES_DIR / "runtimes" / "vllm-nvidia.yaml") + load_documents(
+        EXAMPLES_DIR / "models" / "multi-gateway.yaml")
+    for doc in inputs:
+        if doc["kind"] == "LLMService":
+            doc["metadata"].setdefault("namespace", "models")
+    text = json.dumps(render_documents(inputs, HookConfig.from_env(env)))
+    assert ".svc.corp.example" in text and "cluster.local" not in text
+    ours = [c for doc in render_documents(inputs, HookConfig.from_env(env)) if doc["kind"] == "Deployment"
+            for c in doc["spec"]["template"]["spec"]["containers"] if c["image"] == "ghcr.io/noctaya/noctaya:9.9.9"]
+    assert ours and all(c["imagePullPolicy"] == "Always" for c in ours)
 
 
 def test_helm_output_applies_server_side(helm: Path, installed: ControlPlane) -> None:
