@@ -112,6 +112,25 @@ def test_values_change_only_what_they_name(helm: Path) -> None:
     assert binding["subjects"][0]["namespace"] == "mc"
 
 
+def test_every_value_is_documented() -> None:
+    """docs/install.md's values table names every value of the schema (objects with fixed keys are
+    followed down; `a.b.c` / `.d` in one row documents a.b.d)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def leaves(node: dict[str, Any], path: str) -> list[str]:
+        if "required" not in node:  # a value given whole: resources, affinity, a list
+            return [path]
+        return [p for key, child in node["properties"].items() for p in leaves(child, f"{path}.{key}" if path else key)]
+
+    text = (REPO_ROOT / "docs" / "install.md").read_text()
+    section = text[text.index("### Or with Helm"):text.index("## 4.")]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    for path in leaves(schema, ""):
+        parent, _, last = path.rpartition(".")
+        assert any(f"`{path}`" in row or (parent and f"`{parent}." in row and f"`.{last}`" in row) for row in rows), (
+            f"the values table in docs/install.md does not name {path}")
+
+
 def flatten(node: Any, path: str = "") -> dict[str, Any]:
     """Leaf paths of an object; list items that all have a `name` are addressed by it (env[NOCTAYA_IMAGE])."""
     if isinstance(node, dict):
