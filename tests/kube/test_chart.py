@@ -303,6 +303,10 @@ def test_install_upgrade_uninstall_keeps_the_hook_secret(helm: Path) -> None:
         assert secret() == first  # an upgrade keeps the token Metacontroller sends and the scaler-token key
         assert tls() == first_tls  # ... and the certificate (and CA) the controllers trust
         assert json.loads(plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "-o", "json").stdout)["spec"]["replicas"] == 3
+        pdb = ("-n", NAMESPACE, "get", "pdb", "noctaya-hooks", "--ignore-not-found", "-o", "name")
+        assert plane.kubectl(*pdb).stdout.strip() == "poddisruptionbudget.policy/noctaya-hooks"
+        run_helm(helm, "upgrade", "noctaya", str(CHART), "--set", "hooks.replicas=1", *common)
+        assert plane.kubectl(*pdb).stdout == ""  # one replica: no budget left to block a node drain
         run_helm(helm, "uninstall", "noctaya", *common)
         assert secret() == first and tls() == first_tls  # kept on uninstall (resource-policy: keep)
         assert plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "--ignore-not-found", "-o", "name").stdout == ""
