@@ -165,13 +165,15 @@ def main() -> int:
                 return 1
             pod = backend["spec"]["template"]["spec"]
             init = pod["initContainers"][0]
-            wait_cmd, wait_env = local_command(init, cache_mount, cache_dir)
-            wait_env.update(PATH=os.environ["PATH"], PYTHONPATH=str(ROOT))
-            say("pod", f"init container {init['name']}: {' '.join(init['command'][2:])}")
-            waited = subprocess.run([*wait_cmd, "--timeout", "30"], cwd=ROOT, env=wait_env, capture_output=True,
-                                    text=True, timeout=60)
+            # The marker wait is a shell loop in the engine's image: run it with this machine's sh,
+            # the cache mount mapped to the local cache, at most 30 s.
+            local = [str(cache_dir) + a[len(cache_mount):] if a.startswith(cache_mount + "/") else a
+                     for a in init["command"]]
+            say("pod", f"init container {init['name']} (image {init['image']}): waits for {init['command'][4]}")
+            waited = subprocess.run([*local[:-1], "30"], cwd=ROOT, env={"PATH": os.environ["PATH"]},
+                                    capture_output=True, text=True, timeout=60)
             for line in waited.stdout.splitlines():
-                say("pod", "  " + line.split(" ", 3)[-1])
+                say("pod", "  " + line)
             if waited.returncode != 0:
                 return 1
             engine_env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}

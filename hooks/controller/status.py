@@ -29,11 +29,16 @@ IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImag
 # Restarts after which a container that is not crash-looping right now still counts as failing.
 REPEATED_TERMINATION_RESTARTS = 3
 
+# Not (yet) a member of hooks.api.status.Reason, which this module does not own: the weights of a
+# node-local cache are on a node the backend cannot be scheduled on (gone, NotReady, cordoned, full).
+WEIGHTS_NODE_UNAVAILABLE = "WeightsNodeUnavailable"
+
 # Worst first: the most specific, least self-healing cause wins when several Pods fail differently.
 FAILURE_SEVERITY = (
     Reason.IMAGE_PULL_FAILED,
     Reason.OOM_KILLED,
     Reason.CRASH_LOOP,
+    WEIGHTS_NODE_UNAVAILABLE,
     Reason.UNSCHEDULABLE,
     Reason.REPEATED_TERMINATION,
     Reason.PROGRESS_DEADLINE_EXCEEDED,
@@ -47,7 +52,7 @@ BACKEND_OK_REASONS = frozenset({Reason.READY, Reason.SCALED_TO_ZERO, Reason.ACTI
 class Cond:
     type: ConditionType
     status: str  # "True" | "False" | "Unknown"
-    reason: Reason
+    reason: Reason | str
     message: str
 
     @property
@@ -135,7 +140,18 @@ def pod_secrets_missing(pods: Iterable[dict[str, Any]]) -> set[str]:
     return found
 
 
-def worst(failures: Iterable[tuple[Reason, str]]) -> tuple[Reason, str] | None:
+def unschedulable_message(pods: Iterable[dict[str, Any]]) -> str | None:
+    """What the scheduler says about the first of these Pods (not being deleted) it cannot place."""
+    for pod in sorted(pods, key=_name):
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+                return str(cond.get("message") or "no node fits")
+    return None
+
+
+def worst(failures: Iterable[tuple[Reason | str, str]]) -> tuple[Reason | str, str] | None:
     ranked = sorted(failures, key=lambda f: (FAILURE_SEVERITY.index(f[0]), f[1]))
     return ranked[0] if ranked else None
 
@@ -160,9 +176,9 @@ def backend_condition(
     deployment: dict[str, Any] | None,
     pods: list[dict[str, Any]],
     *,
-    not_created_reason: Reason = Reason.PROGRESSING,
+    not_created_reason: Reason | str = Reason.PROGRESSING,
     not_created_message: str = "backend Deployment not created yet",
-    extra_failures: Iterable[tuple[Reason, str]] = (),
+    extra_failures: Iterable[tuple[Reason | str, str]] = (),
 ) -> Cond:
     t = ConditionType.BACKEND_READY
     failures = [f for p in pods for f in pod_failures(p)] + list(extra_failures)

@@ -35,6 +35,7 @@ class Outcome:
     children: list[dict[str, Any]] = field(default_factory=list)
     conditions: dict[ConditionType, st.Cond] = field(default_factory=dict)
     runtime: str | None = None
+    backend_failures: list[tuple[Reason | str, str]] = field(default_factory=list)
 
     def put(self, cond: st.Cond) -> None:
         self.conditions[cond.type] = cond
@@ -116,15 +117,20 @@ def plan_children(
     """The desired children (appended to `out`) and the cache / autoscaling conditions."""
     name = ctx.name
     cache_plan = cache.plan(ctx)
-    mount, staging, job = cache_plan.mount, None, None
+    mount, staging, job, node = cache_plan.mount, None, None, None
+    observed_backend = observed_deployment(observed, names.backend(name))
     if prewarm.applies(ctx):
-        mount = prewarm.staged_mount(ctx, mount)
         job, staging = _plan_prewarm(ctx, observed, cache_plan.mount.volume, missing)
+        # A node-local cache holds the weights on the node the Job ran on: the backend follows them.
+        node = prewarm.weights_node(ctx, observed.pods_of(labels.PREWARM), observed_backend)
+        mount = prewarm.staged_mount(ctx, mount, node)
+        if staging.status == "True" and node is not None:
+            staging = dataclasses.replace(staging, message=st.short(f"{staging.message} on node {node}"))
     # Until the weights are staged no backend is created, and a running one (an older revision) is
     # kept exactly as it is: it rolls to the new revision only once that revision is complete.
     blocked = staging is not None and staging.status != "True"
     if keda and not blocked:
-        out.children.append(backend.deployment(ctx, mount, observed_deployment(observed, names.backend(name))))
+        out.children.append(backend.deployment(ctx, mount, observed_backend, prewarm.weights_annotations(ctx, node)))
     else:
         existing = observed_deployment(observed, names.backend(name))
         if existing is not None:
@@ -157,16 +163,24 @@ def plan_children(
                 elif phase == "Lost":
                     cache_cond = st.Cond(ConditionType.CACHE_READY, "False", Reason.PROGRESSING, f"claim {claim_name} lost its volume")
                 else:
+                    # With prewarm the Job is the claim's first consumer: the claim binds (and, on a
+                    # node-local volume, the weights and later the backend stay) where that Pod runs.
+                    first = ("the prewarm Job's Pod; the backend then runs on that node" if job is not None
+                             else "the first backend Pod")
                     cache_cond = st.Cond(
                         ConditionType.CACHE_READY,
                         "Unknown",
                         Reason.PROGRESSING,
-                        f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with the first backend Pod)",
+                        f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with {first})",
                     )
     if job is not None:
         out.children.append(job)
     if staging is not None and cache_cond.reason != Reason.CACHE_SPEC_CONFLICT:
         cache_cond = staging  # the Job says more than the claim (which it binds)
+    unreachable = _weights_unreachable(ctx, node, observed, cache_plan.claim)
+    if unreachable is not None and cache_cond.status == "True":
+        cache_cond = st.Cond(ConditionType.CACHE_READY, "False", st.WEIGHTS_NODE_UNAVAILABLE, unreachable)
+        out.backend_failures.append((st.WEIGHTS_NODE_UNAVAILABLE, unreachable))
     spec = ctx.service.spec
     if spec.cache.strategy == "NodeLocalPVC" and spec.scaling.max > 1 and cache_cond.status != "False":
         # Not an error (replica 1 is fine), but replicas 2..N share one node's claim: say so where users look.
@@ -217,18 +231,28 @@ def plan_children(
     return so_plan
 
 
+def _weights_unreachable(ctx: RenderContext, node: str | None, observed: obs.Observed,
+                         claim: dict[str, Any] | None) -> str | None:
+    """Why the backend cannot reach node-local weights, from its own Pods: the scheduler cannot place
+    them on the only node that holds the weights (gone, NotReady, cordoned or full)."""
+    if node is None:
+        return None
+    said = st.unschedulable_message(observed.live_pods())
+    if said is None:
+        return None
+    job = prewarm.job_name(ctx)
+    where = (f"the cache claim {claim['metadata']['name']}'s volume is on node {node}" if claim is not None
+             else f"the HostPath cache holds them on node {node} only")
+    return st.short(
+        f"the weights staged by Job {job} are on node {node} ({where}) and the backend cannot be scheduled "
+        f"there: {said}; if node {node} is gone for good, delete the Job (kubectl delete job {job}) to stage "
+        "them again on a node the backend can use")
+
+
 def _windows_text(ctx: RenderContext) -> str:
     """The warm windows as the ScaledObject opens them (stable: the lead changes only with a new
     cold-start record)."""
-    parts = []
-    for window in ctx.service.spec.scaling.schedules:
-        lead = window.lead(ctx.measured_cold_start)
-        text = f"{window.replicas} from '{window.start}' to '{window.end}' {window.time_zone}"
-        if lead:
-            text += f", opening {lead}m early"
-        elif window.lead_time == "auto":
-            text += ", opening early once a cold start was measured"
-        parts.append(text)
+    parts = [autoscaling.window_text(window, ctx.measured_cold_start) for window in ctx.service.spec.scaling.schedules]
     return f"; warm windows hold {'; '.join(parts)}" if parts else ""
 
 
@@ -321,7 +345,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
     )
     plan_children(ctx, observed, out, keda, missing)
 
-    extra = []
+    extra = list(out.backend_failures)
     if "credentials" in missing:
         extra.append((Reason.SECRET_NOT_FOUND, f"model.credentialsSecret {missing['credentials']} does not exist"))
     not_created = (Reason.PROGRESSING, "backend Deployment not created yet")

@@ -37,7 +37,8 @@ def observed_replicas(observed: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def deployment(ctx: RenderContext, cache: pod.CacheMount, observed: dict[str, Any] | None) -> dict[str, Any]:
+def deployment(ctx: RenderContext, cache: pod.CacheMount, observed: dict[str, Any] | None,
+               annotations: dict[str, str] | None = None) -> dict[str, Any]:
     template = pod.pod_template(ctx.service, ctx.runtime, labels.labels(ctx.name, labels.BACKEND), cache)
     deadline = max(MIN_PROGRESS_DEADLINE_SECONDS, pod.startup_budget_seconds(ctx.runtime) + PROGRESS_DEADLINE_MARGIN_SECONDS)
     spec: dict[str, Any] = {}
@@ -47,7 +48,7 @@ def deployment(ctx: RenderContext, cache: pod.CacheMount, observed: dict[str, An
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": ctx.metadata(names.backend(ctx.name), labels.BACKEND),
+        "metadata": ctx.metadata(names.backend(ctx.name), labels.BACKEND, annotations),
         "spec": {
             **spec,
             "selector": {"matchLabels": labels.selector(ctx.name, labels.BACKEND)},

@@ -175,34 +175,117 @@ def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}
 
 
+# The marker wait, in POSIX sh: it runs from the engine's own image (every engine image has a shell),
+# so a Noctaya upgrade (a new image tag) leaves the backend's Pod template, and with it every serving
+# Pod on an accelerator, exactly as it is. The weights are staged before the backend exists, so the
+# marker is normally there at once; the timeout only bounds a Pod on a node without them (the kubelet
+# then restarts it with backoff, the message says why).
+WAIT_TIMEOUT_SECONDS = 600
+WAIT_INTERVAL_SECONDS = 2
+WAIT_SCRIPT = """\
+marker="$1"; dir="$2"; source="$3"; revision="$4"; job="$5"; timeout="$6"
+ready() {
+  [ -d "$dir" ] && [ -s "$marker" ] || return 1
+  text=""
+  while IFS= read -r line || [ -n "$line" ]; do text="$text$line"; done < "$marker"
+  case "$text" in *"\\"$source\\""*) ;; *) return 1 ;; esac
+  case "$text" in *"\\"$revision\\""*) return 0 ;; esac
+  return 1
+}
+case "$source" in *"@$revision") what="$source" ;; *) what="$source@$revision" ;; esac
+if ready; then echo "$what is in the cache; starting the engine"; exit 0; fi
+echo "waiting for $what: the prewarm Job $job writes $marker once every file is verified (kubectl logs -f job/$job shows its progress)"
+waited=0
+while [ "$waited" -lt "$timeout" ]; do
+  sleep %(interval)d
+  waited=$((waited + %(interval)d))
+  if ready; then echo "$what is in the cache after $waited s; starting the engine"; exit 0; fi
+  if [ $((waited %% 60)) -eq 0 ]; then echo "still waiting for $what ($waited s so far)"; fi
+done
+said="$what is not in the cache on this node after $timeout s: the prewarm Job $job staged it elsewhere or not at all (kubectl describe job $job)"
+echo "$said" >&2
+echo "$said" > /dev/termination-log 2>/dev/null
+exit 1
+""" % {"interval": WAIT_INTERVAL_SECONDS}
+
+
 def wait_container(ctx: RenderContext) -> dict[str, Any]:
-    """The serving Pod's init container: exits 0 once the pinned revision's marker exists."""
+    """The serving Pod's init container: exits 0 once the pinned revision's marker exists.
+
+    It runs the engine's image (a shell loop), never Noctaya's: see WAIT_SCRIPT."""
     staged = model_dir(ctx)
-    revision = [] if staged.scheme == "oci" else ["--revision", staged.revision]  # oci: the source's digest
+    spec = ctx.runtime.spec
+    container: dict[str, Any] = {"name": WAIT_CONTAINER, "image": spec.image}
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
     return {
-        "name": WAIT_CONTAINER,
-        "image": ctx.config.image,
-        "imagePullPolicy": ctx.config.image_pull_policy,
-        "command": ["python", "-m", "prewarm", "wait", "--source", staged.source, *revision,
-                    "--cache-dir", ctx.runtime.spec.cache_mount_path],
-        "env": [_env("NOCTAYA_PREWARM_JOB", job_name(ctx)), _env("PYTHONDONTWRITEBYTECODE", "1"),
-                _env("PYTHONUNBUFFERED", "1")],
+        **container,
+        "command": ["sh", "-c", WAIT_SCRIPT, WAIT_CONTAINER, str(staged.marker), str(staged.final), staged.source,
+                    staged.revision, job_name(ctx), str(WAIT_TIMEOUT_SECONDS)],
         "resources": WAIT_RESOURCES,
         "securityContext": {**gateway.restricted_container_security(), "runAsUser": gateway.RUN_AS},
         "volumeMounts": [{"name": pod.CACHE_VOLUME, "mountPath": ctx.runtime.spec.cache_mount_path, "readOnly": True}],
     }
 
 
-def staged_mount(ctx: RenderContext, mount: pod.CacheMount) -> pod.CacheMount:
+def staged_mount(ctx: RenderContext, mount: pod.CacheMount, weights_node: str | None = None) -> pod.CacheMount:
     """The serving Pods' view of a prewarmed cache: the promoted directory as the model, the marker
     wait in front of the engine, and a SharedPVC read-only (the Job is its only writer; with a
-    node-local cache the engine keeps write access for its own compile caches)."""
+    node-local cache the engine keeps write access for its own compile caches). A HostPath cache is
+    pinned to the node the Job staged it on (see weights_node); a NodeLocalPVC's volume pins itself."""
     return dataclasses.replace(
         mount,
         read_only=ctx.service.spec.cache.strategy == "SharedPVC",
         staged_model_path=str(model_dir(ctx).final),
         wait_container=wait_container(ctx),
+        node=weights_node if ctx.service.spec.cache.strategy == "HostPath" else None,
     )
+
+
+# --- where node-local weights are ---------------------------------------------------------------
+
+# Recorded on the backend Deployment once known, so the pin outlives the Job's Pod (garbage-collected
+# with its node, or by the Pod GC): which node holds the weights, and which Job put them there.
+WEIGHTS_NODE = "serving.noctaya.io/weights-node"
+WEIGHTS_JOB = "serving.noctaya.io/weights-job"
+
+
+def node_local(ctx: RenderContext) -> bool:
+    """Weights staged by a Job into a cache that lives on one node."""
+    return applies(ctx) and ctx.service.spec.cache.strategy in ("NodeLocalPVC", "HostPath")
+
+
+def _job_of(p: dict[str, Any]) -> str | None:
+    pod_labels = (p.get("metadata") or {}).get("labels") or {}
+    return pod_labels.get("batch.kubernetes.io/job-name") or pod_labels.get("job-name")
+
+
+def weights_node(ctx: RenderContext, pods: list[dict[str, Any]], backend: dict[str, Any] | None) -> str | None:
+    """The node a node-local cache holds the current revision on: where the current Job's succeeded
+    Pod ran (the freshest fact), else what the observed backend Deployment recorded for this same
+    Job; None when the cache is not node-local or nothing says."""
+    if not node_local(ctx):
+        return None
+    name = job_name(ctx)
+    ran: list[tuple[str, str, str]] = []
+    for p in pods:
+        spec, status, meta = p.get("spec") or {}, p.get("status") or {}, p.get("metadata") or {}
+        node = spec.get("nodeName")
+        if _job_of(p) == name and status.get("phase") == "Succeeded" and isinstance(node, str) and node:
+            finished = max((str(((cs.get("state") or {}).get("terminated") or {}).get("finishedAt") or "")
+                            for cs in status.get("containerStatuses") or []), default="")
+            ran.append((finished, str(meta.get("name") or ""), node))
+    if ran:
+        return max(ran)[2]
+    annotations = ((backend or {}).get("metadata") or {}).get("annotations") or {}
+    recorded = annotations.get(WEIGHTS_NODE)
+    if annotations.get(WEIGHTS_JOB) == name and isinstance(recorded, str) and recorded:
+        return recorded
+    return None
+
+
+def weights_annotations(ctx: RenderContext, node: str | None) -> dict[str, str]:
+    return {WEIGHTS_JOB: job_name(ctx), WEIGHTS_NODE: node} if node else {}
 
 
 @dataclass(frozen=True)

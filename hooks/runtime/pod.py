@@ -40,6 +40,8 @@ class CacheMount:
     read_only: bool = False
     staged_model_path: str | None = None
     wait_container: dict[str, Any] | None = None
+    # The node a node-local cache (HostPath) holds the staged weights on: the serving Pods must run there.
+    node: str | None = None
 
 
 # What the gateway polls when the readiness probe is not HTTP: every OpenAI-compatible engine serves it.
@@ -214,6 +216,13 @@ def container_security(runtime: InferenceRuntime) -> dict[str, Any]:
     return out
 
 
+def node_pin(node: str) -> dict[str, Any]:
+    """A required node affinity for one node by its name (metadata.name: a node's hostname label
+    need not equal its name)."""
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
+
+
 def pod_template(
     service: LLMService,
     runtime: InferenceRuntime,
@@ -292,6 +301,8 @@ def pod_template(
         pod_spec["nodeSelector"] = dict(sorted(place.node_selector.items()))
     if place.tolerations:
         pod_spec["tolerations"] = place.tolerations
+    if cache.node is not None:
+        pod_spec["affinity"] = node_pin(cache.node)
     if place.runtime_class_name:
         pod_spec["runtimeClassName"] = place.runtime_class_name
     if hints.scheduler_name:

@@ -247,7 +247,7 @@ def test_a_revision_change_stages_beside_the_old_one_then_rolls_the_backend() ->
     assert _model_path(backend(rolled)).endswith("/v2")
     assert _model_path(backend(rolled)).rsplit("/", 1)[0] == old_path.rsplit("/", 1)[0]  # beside the old one
     wait = backend(rolled)["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    assert wait[wait.index("--revision") + 1] == "v2"
+    assert wait[:2] == ["sh", "-c"] and wait[7] == "v2" and wait[4].endswith("/v2.ready")
 
 
 def _model_path(deployment: dict) -> str:

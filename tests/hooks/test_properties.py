@@ -195,14 +195,18 @@ def test_no_serving_container_reads_a_prewarmed_cache_before_the_marker(scenario
     pod_spec = backend["spec"]["template"]["spec"]
     cache_volume = next(v["name"] for v in pod_spec["volumes"] if v["name"] == "model-cache")
     inits = pod_spec.get("initContainers") or []
-    assert inits and inits[0]["name"] == "wait-for-weights" and inits[0]["command"][:4] == ["python", "-m", "prewarm", "wait"]
+    # The marker wait is a shell loop in the engine's own image (a Noctaya upgrade changes no backend).
+    assert inits and inits[0]["name"] == "wait-for-weights" and inits[0]["command"][:2] == ["sh", "-c"]
     engine = pod_spec["containers"][0]
+    assert inits[0]["image"] == engine["image"]
     env = {e["name"]: e for e in engine["env"]}
     assert env["HF_HUB_OFFLINE"]["value"] == "1"
-    assert env["NOCTAYA_MODEL_PATH"]["value"].startswith(inits[0]["command"][inits[0]["command"].index("--cache-dir") + 1])
+    cache_root = next(m["mountPath"] for m in inits[0]["volumeMounts"] if m["name"] == cache_volume)
+    marker, model_dir = inits[0]["command"][4:6]
+    assert env["NOCTAYA_MODEL_PATH"]["value"] == model_dir and model_dir.startswith(cache_root + "/")
+    assert marker.startswith(model_dir.rsplit("/", 1)[0] + "/") and marker.endswith(".ready")
     assert not any("secretKeyRef" in (e.get("valueFrom") or {}) for e in engine["env"]), "a serving Pod got the hub token"
     shared = service["spec"]["cache"]["strategy"] == "SharedPVC"
-    cache_root = inits[0]["command"][inits[0]["command"].index("--cache-dir") + 1]
     if shared:  # nothing the engine's hub client writes may point into the read-only cache
         assert not env["HF_HOME"]["value"].startswith(cache_root) and not env["MODELSCOPE_CACHE"]["value"].startswith(cache_root)
     for container in [*inits, *pod_spec["containers"]]:
