@@ -303,15 +303,53 @@ class WarmWindow(ApiModel):
                     f"schedules[].leadTime {self.lead_time} cannot move start {self.start!r} earlier as one cron "
                     "expression: give start one minute and explicit hours (and keep day of month and month * "
                     "if the lead can cross midnight), or write the earlier start yourself")
+        # KEDA's rule (active while the next end comes before the next start) opens a window exactly
+        # from start − lead to end only when starts and ends take turns, the lead stays short of the
+        # previous end, and no start, early start or end falls in a clock change (hooks.api.cron).
+        year = cron.this_year()
+        turns = cron.pairing(self.start, self.end, year)
+        if turns.problem is not None:
+            raise ValueError(f"schedules[]: {turns.problem}")
+        fixed = 0 if self.lead_time in (None, "auto") else self.lead(None)
+        if fixed >= turns.gap:
+            raise ValueError(
+                f"schedules[].leadTime {self.lead_time} would open the window before the previous one has ended "
+                f"(end {self.end!r} comes {turns.gap}m before start {self.start!r}); give a leadTime under "
+                f"{turns.gap}m")
+        clash = cron.clock_change_clash(self.start, self.end, self.time_zone, fixed, year)
+        if clash is not None:
+            safe = cron.max_safe_lead(self.start, self.time_zone, fixed, year) if fixed else None
+            if safe is not None and cron.clock_change_clash(self.start, self.end, self.time_zone, safe, year) is None:
+                fix = f"a leadTime of at most {safe}m avoids it"
+            else:
+                fix = "no lead avoids it: move start and end out of the times the clock change skips or repeats"
+            raise ValueError(f"schedules[]: {clash}; {fix}")
         return self
 
     def lead(self, measured: float | None) -> int:
-        """Minutes by which this window opens early; `auto` uses the measured cold start (seconds)."""
+        """Minutes by which this window opens early; `auto` uses the measured cold start (seconds),
+        shortened when needed (see `auto_cap`)."""
         if self.lead_time is None:
             return 0
         if self.lead_time == "auto":
-            return lead_minutes(measured) if measured else 0
+            wanted = lead_minutes(measured) if measured else 0
+            return min(wanted, self.auto_cap()[0])
         return lead_minutes(duration_seconds(self.lead_time))
+
+    def auto_cap(self) -> tuple[int, str]:
+        """The longest `auto` lead (minutes) KEDA reads as written, and why it is not longer: it stays
+        short of the previous end and keeps every early start clear of the time zone's clock changes."""
+        year = cron.this_year()
+        limit = MAX_LEAD_SECONDS // 60
+        gap = cron.pairing(self.start, self.end, year).gap
+        cap, why = limit, ""
+        if gap - 1 < cap:
+            cap, why = gap - 1, f"end {self.end!r} comes {gap}m before start"
+        safe = cron.max_safe_lead(self.start, self.time_zone, cap, year)
+        if safe is not None and safe < cap:
+            clash = cron.clock_change_clash(self.start, self.end, self.time_zone, safe + 1, year) or ""
+            cap, why = safe, f"a longer lead would cross a clock change: {clash.split(': ', 1)[-1].split(';')[0]}"
+        return cap, why
 
 
 class Scaling(ApiModel):

@@ -9,6 +9,8 @@ Triggers:
   maximum against the threshold (AverageValue would divide it by the replica count).
 - one `cron` trigger per warm window (`scaling.schedules`): active inside the window, holding its
   replicas as a floor; `leadTime` moves its start earlier (`auto`: by the last measured cold start).
+  KEDA reports it active while the next end comes before the next start; the API model refuses
+  windows that rule would open at other times than written (hooks.api.cron).
 
 Behaviour when the scaler is unreachable (a deliberate choice): no `fallback`. Current KEDA,
 when a trigger errors and no fallback is set, marks the ScaledObject Ready=False (TriggerError) and
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hooks.api import cron
-from hooks.api.llmservice import LeadingSignalTrigger
+from hooks.api.llmservice import LeadingSignalTrigger, WarmWindow, lead_minutes
 from hooks.resources import labels, names
 from hooks.resources.context import RenderContext
 
@@ -72,7 +74,7 @@ def warm_window_triggers(ctx: RenderContext) -> list[dict[str, Any]]:
     measured = ctx.measured_cold_start
     out = []
     for index, window in enumerate(ctx.service.spec.scaling.schedules):
-        lead = window.lead(measured)
+        lead = window.lead(measured)  # an `auto` lead is held where KEDA would read it wrongly (WarmWindow.auto_cap)
         start = cron.shift_earlier(window.start, lead)
         if start is None:  # refused at validation; never render a window that opens late
             start = window.start
@@ -84,6 +86,24 @@ def warm_window_triggers(ctx: RenderContext) -> list[dict[str, Any]]:
                          "desiredReplicas": str(window.replicas)},
         })
     return out
+
+
+def window_text(window: WarmWindow, measured: float | None) -> str:
+    """One warm window as the ScaledObject opens it, for AutoscalingReady (stable: the lead changes
+    only with a new cold-start record). Says so when an `auto` lead was shortened."""
+    lead = window.lead(measured)
+    text = f"{window.replicas} from '{window.start}' to '{window.end}' {window.time_zone}"
+    if lead:
+        text += f", opening {lead}m early"
+    if window.lead_time == "auto":
+        wanted = lead_minutes(measured) if measured else 0
+        if wanted > lead:
+            cap, why = window.auto_cap()
+            text += (f"{'' if lead else ', opening on time'} (leadTime auto: the last cold start asks for {wanted}m, "
+                     f"held at {cap}m because {why})")
+        elif not wanted:
+            text += ", opening early once a cold start was measured"
+    return text
 
 
 def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:

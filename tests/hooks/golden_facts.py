@@ -176,7 +176,7 @@ def _decorator_sync(a: Answer) -> None:
 def _decorator_warm_windows(a: Answer) -> None:
     (so,) = a["attachments"]
     crons = [t for t in so["spec"]["triggers"] if t["type"] == "cron"]
-    assert [t["metadata"]["start"] for t in crons] == ["58 7 * * MON-FRI", "45 23 * * 5", "*/30 * 1 * *"]
+    assert [t["metadata"]["start"] for t in crons] == ["58 7 * * MON-FRI", "45 23 * * 5", "0 0 1 * *"]
     assert [t["metadata"]["desiredReplicas"] for t in crons] == ["2", "1", "1"]
     assert [t["metadata"]["timezone"] for t in crons] == ["Europe/Berlin", "America/New_York", "UTC"]
     assert so["spec"]["triggers"][0]["type"] == "external-push" and so["spec"]["minReplicaCount"] == 0

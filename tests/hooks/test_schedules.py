@@ -180,3 +180,68 @@ def test_lead_time_and_replicas_at_their_limits_are_accepted() -> None:
     assert trigger["metadata"]["start"] == "0 7 * * MON-FRI" and trigger["metadata"]["desiredReplicas"] == "3"
     with pytest.raises(pydantic.ValidationError, match="up to 1h"):
         LLMService.model_validate(service(window(leadTime="3601s")))
+
+
+# KEDA's rule (cron_scaler.go): active while the next end comes before the next start. What it would
+# open at other times than written is refused, with the date and the reason (tests/hooks/test_keda_cron.py
+# checks a whole year of minutes against a model of KEDA and robfig/cron).
+@pytest.mark.parametrize(("bad", "message"), [
+    (window(start="*/15 9-17 * * 1-5", end="0 18 * * 1-5"),
+     "start '*/15 9-17 * * 1-5' fires 36 times before end '0 18 * * 1-5' (2026-01-01 09:00, 2026-01-01 09:15, "
+     "… 2026-01-01 17:45): KEDA's cron scaler is active only while the next end comes before the next start, so it "
+     "would open this window at the last of them (2026-01-01 17:45), not at the first"),
+    (window(start="*/30 * 1 * *", end="59 23 1 * *"), "fires 48 times before end '59 23 1 * *'"),
+    (window(start="0 8 * * MON", end="0 18 * * *"),
+     "end '0 18 * * *' fires 4 times before the next start '0 8 * * MON' (2026-01-01 18:00, 2026-01-02 18:00, … "
+     "2026-01-04 18:00): KEDA's cron scaler stays active while the next end comes before the next start"),
+    (window(start="0 8 * * *", end="0 8 * * MON"), "fires 4 times before end"),
+    (window(start="0 8 * * *", end="0 8 1 * *"), "both fire at 2026-01-01 08:00"),
+    (window(start="0 8 30 2 *", end="0 18 * * *"), "start '0 8 30 2 *' never fires"),
+    (window(start="0 8 * * *", end="30 7 * * *", leadTime="30m"),
+     "leadTime 30m would open the window before the previous one has ended (end '30 7 * * *' comes 30m before "
+     "start '0 8 * * *'); give a leadTime under 30m"),
+    (window(start="30 3 * * *", end="0 18 * * *", timeZone="Europe/Berlin", leadTime="1h"),
+     "start '30 3 * * *' moved 60m earlier fires at 2026-03-29 02:30, which does not exist: Europe/Berlin moves its "
+     "clocks from 02:00 to 03:00 on 2026-03-29; KEDA (robfig/cron) skips a time that does not exist, so the previous "
+     "window would stay open until the next end (a whole extra day or more); a leadTime of at most 30m avoids it"),
+    (window(start="30 2 * * *", end="0 18 * * *", timeZone="Europe/Berlin"), "start '30 2 * * *' fires at 2026-03-29 02:30, which does not exist"),
+    (window(start="30 1 * * *", end="0 9 * * *", timeZone="America/New_York"),
+     "start '30 1 * * *' fires at 2026-11-01 01:30, which occurs twice: America/New_York moves its clocks back from "
+     "02:00 to 01:00 on 2026-11-01; KEDA (robfig/cron) fires it twice and opens the window at the second, 60m late"),
+    (window(start="0 20 * * *", end="30 2 * * *", timeZone="Australia/Sydney"),
+     "end '30 2 * * *' fires at 2026-04-05 02:30, which occurs twice: Australia/Sydney moves its clocks back from "
+     "03:00 to 02:00"),
+    # Lord Howe Island moves its clocks by 30 minutes: a lead can reach across the whole change.
+    (window(start="0 2 * * *", end="0 9 * * *", timeZone="Australia/Lord_Howe", leadTime="31m"),
+     "start '0 2 * * *' moved 31m earlier opens at 2026-04-05 01:29, before the clock change and its start after it "
+     "(2026-04-05 02:00): Australia/Lord_Howe moves its clocks back from 02:00 to 01:30 on 2026-04-05, so that window "
+     "would open 61m early instead; no lead avoids it"),
+])
+def test_windows_keda_would_open_at_other_times_are_refused_saying_when_and_why(bad: dict[str, Any], message: str) -> None:
+    svc = service(bad)
+    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
+        LLMService.model_validate(svc)
+    good = sync(h.sync_request(service(window())), h.config())["children"]
+    answer = sync(h.sync_request(svc, children=h.observe_all(good)), h.config())
+    ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and "spec.scaling.schedules.0" in ready["message"]
+    assert len(answer["children"]) == len(good)
+
+
+def test_an_auto_lead_is_held_where_the_early_start_would_fall_in_a_clock_change() -> None:
+    # America/New_York skips 02:00-03:00 on 2026-03-08: any lead before 03:00 would be skipped that day.
+    ny = window(start="0 3 * * *", end="0 9 * * *", timeZone="America/New_York", leadTime="auto")
+    status = {"lastColdStart": {**MEASURED_COLD_START, "total": "83s"}}
+    assert cron_triggers(service(ny, status=status))[0]["metadata"]["start"] == "0 3 * * *"
+    answer = sync(h.sync_request(service(ny, status=status)), h.config())
+    cond = next(c for c in answer["status"]["conditions"] if c["type"] == "AutoscalingReady")
+    assert ("1 from '0 3 * * *' to '0 9 * * *' America/New_York, opening on time (leadTime auto: the last cold start "
+            "asks for 2m, held at 0m because a longer lead would cross a clock change: America/New_York moves its "
+            "clocks from 02:00 to 03:00 on 2026-03-08)") in cond["message"]
+    # Europe/Berlin skips 02:00-03:00: a 03:30 start may open up to 30 minutes early.
+    berlin = window(start="30 3 * * *", end="0 18 * * *", timeZone="Europe/Berlin", leadTime="auto")
+    slow = {"lastColdStart": {**MEASURED_COLD_START, "total": "3000s"}}
+    assert cron_triggers(service(berlin, status=slow))[0]["metadata"]["start"] == "0 3 * * *"
+    # Short of the previous end: 07:30 to 08:00 leaves at most 29 minutes.
+    tight = window(start="0 8 * * *", end="30 7 * * *", leadTime="auto")
+    assert cron_triggers(service(tight, status=slow))[0]["metadata"]["start"] == "31 7 * * *"
