@@ -6,6 +6,8 @@ LLMService names a runtime (or selects one by labels) and the hooks render the r
 
 from __future__ import annotations
 
+import posixpath
+import re
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
@@ -194,16 +196,57 @@ class RuntimeMetrics(ApiModel):
 
 
 Capability = Annotated[str, Field(pattern=r"^[A-Z][A-Z0-9_]*$", max_length=32)]
-RESERVED_VOLUMES = ("model-cache", "model", "dshm")  # the volumes Noctaya itself mounts
+
+# --- what Noctaya itself mounts in every serving container ---------------------------------------
+# The one list of the volume names and mount paths a runtime's own volumes must not take: the CEL
+# rules below, the pydantic checks and the InferenceRuntime's Accepted condition all read it, and
+# the Pod renderer (hooks/runtime/pod.py) renders exactly these. A new Noctaya mount belongs here.
+CACHE_VOLUME = "model-cache"  # the model cache, at spec.cacheMountPath (also the marker wait's mount)
+MODEL_VOLUME = "model"  # a pvc:// model source, read-only at spec.modelMountPath
+SHM_VOLUME = "dshm"  # the memory-backed shared memory every serving container gets
+SHM_MOUNT_PATH = "/dev/shm"
+RESERVED_VOLUMES = (CACHE_VOLUME, MODEL_VOLUME, SHM_VOLUME)
+
+# An absolute path written plainly: no trailing or doubled slash, no `.` or `..` segment, so that two
+# paths name the same directory exactly when they are equal (the API server compares mount paths as
+# strings; the container runtime cleans them first).
+CLEAN_ABSOLUTE_PATH = r"^(/([^./][^/]*|\.[^./][^/]*|\.\.[^/]+))+$"
+MAX_PATH_LENGTH = 1024
+
+
+def same_path(a: str, b: str) -> bool:
+    """Equal, or equal but for one trailing slash (the CEL rules compare the same way)."""
+    return a == b or a + "/" == b or a == b + "/"
+
+
+def _cel_same_path(a: str, b: str) -> str:
+    return f"({a} == {b} || {a} + '/' == {b} || {a} == {b} + '/')"
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _human_list(values: tuple[str, ...], conjunction: str = "and") -> str:
+    return ", ".join(values[:-1]) + f" {conjunction} " + values[-1]
 
 
 class RuntimeVolume(ApiModel):
     """An extra volume of the serving container that an accelerator stack or engine needs, e.g. the
-    Ascend driver from the node (hostPath, which Pod Security `baseline` refuses) or a config file."""
+    Ascend driver from the node (hostPath, which Pod Security `baseline` refuses), a config file, or a
+    writable scratch directory (an emptyDir with readOnly false) for an engine running as non-root."""
 
-    name: DNSLabel = Field(description="Volume name (not model-cache, model or dshm, which Noctaya uses).")
-    mount_path: str = Field(description="Where the serving container sees it.", pattern=r"^/")
-    read_only: bool = Field(default=True, description="Mount read-only.")
+    name: DNSLabel = Field(
+        description=f"Volume name, unique in the runtime (not {_human_list(RESERVED_VOLUMES, 'or')}, which Noctaya uses)."
+    )
+    mount_path: str = Field(
+        description=f"Where the serving container sees it: an absolute path without a trailing slash or `.`/`..` "
+        f"segments, and none of Noctaya's own mounts ({SHM_MOUNT_PATH}, cacheMountPath, modelMountPath) or another "
+        "runtime volume's path.",
+        pattern=CLEAN_ABSOLUTE_PATH,
+        max_length=MAX_PATH_LENGTH,
+    )
+    read_only: bool = Field(default=True, description="Mount read-only (set false for a scratch emptyDir).")
     host_path: str | None = Field(default=None, description="A node directory or file.", pattern=r"^/")
     config_map: DNSSubdomain | None = Field(default=None, description="A ConfigMap in the LLMService's namespace.")
     secret: DNSSubdomain | None = Field(default=None, description="A Secret in the LLMService's namespace.")
@@ -216,11 +259,64 @@ class RuntimeVolume(ApiModel):
             check=lambda s: [s.host_path is not None, s.config_map is not None, s.secret is not None, s.empty_dir].count(True) == 1,
         ),
         Rule(
-            cel="!(self.name in ['model-cache', 'model', 'dshm'])",
-            message="runtime volume names model-cache, model and dshm are Noctaya's own",
+            cel=f"!(self.name in {_cel_list(RESERVED_VOLUMES)})",
+            message=f"runtime volume names {_human_list(RESERVED_VOLUMES)} are Noctaya's own",
             check=lambda s: s.name not in RESERVED_VOLUMES,
         ),
+        Rule(
+            cel=f"self.mountPath != '{SHM_MOUNT_PATH}'",
+            message=f"a runtime volume cannot mount at {SHM_MOUNT_PATH}: Noctaya mounts a memory-backed {SHM_MOUNT_PATH} "
+            "in every serving container (size it with shmSize)",
+            check=lambda s: s.mount_path != SHM_MOUNT_PATH,
+        ),
     )
+
+
+def _clean(path: object) -> str | None:
+    return posixpath.normpath(re.sub("/+", "/", path)) if isinstance(path, str) and path else None
+
+
+def volume_conflicts(spec: object) -> list[str]:
+    """Each way the runtime's volumes collide with Noctaya's own mounts or with each other, naming the
+    volume. It reads the raw (wire) spec, so it also works on a runtime stored before the CRD refused
+    these, and compares paths as the container runtime does (cleaned: `/dev//shm/` is `/dev/shm`), so
+    it also finds what the admission rules' plain string comparison lets through. The runtime's
+    Accepted condition reports each as VolumeConflict. Empty: none."""
+    if not isinstance(spec, dict):
+        return []
+    volumes = [v for v in spec.get("volumes") or [] if isinstance(v, dict)] if isinstance(spec.get("volumes"), list) else []
+    cache = _clean(spec.get("cacheMountPath", "/cache"))
+    model = _clean(spec.get("modelMountPath", "/models"))
+    own = [(p, what) for p, what in ((SHM_MOUNT_PATH, "shared memory"), (cache, "the model cache (cacheMountPath)"),
+                                    (model, "pvc:// model sources (modelMountPath)")) if isinstance(p, str)]
+    out: list[str] = []
+    if isinstance(cache, str) and isinstance(model, str):
+        if cache == model:
+            out.append(f"cacheMountPath and modelMountPath are both {cache}")
+        for field, path in (("cacheMountPath", cache), ("modelMountPath", model)):
+            if path == SHM_MOUNT_PATH:
+                out.append(f"{field} is {SHM_MOUNT_PATH}, where Noctaya mounts shared memory")
+    seen_names: set[str] = set()
+    seen_paths: dict[str, str] = {}
+    for v in volumes:
+        name, path = v.get("name"), _clean(v.get("mountPath"))
+        label = f"runtime volume {name}" if isinstance(name, str) else "a runtime volume without a name"
+        if isinstance(name, str):
+            if name in RESERVED_VOLUMES:
+                out.append(f"{label} has the name of Noctaya's own volume {name}")
+            elif name in seen_names:
+                out.append(f"two runtime volumes are named {name}")
+            seen_names.add(name)
+        if not isinstance(path, str):
+            continue
+        for own_path, what in own:
+            if path == own_path:
+                out.append(f"{label} mounts at {v['mountPath']}, where Noctaya mounts {what}")
+        other = seen_paths.get(path)
+        if other is not None:
+            out.append(f"{label} mounts at {v['mountPath']}, as runtime volume {other} does")
+        seen_paths.setdefault(path, name if isinstance(name, str) else "?")
+    return out
 
 
 class RuntimeSecurity(ApiModel):
@@ -277,10 +373,16 @@ class InferenceRuntimeSpec(ApiModel):
     )
     port: Port = Field(default=8000, description="Port the engine serves its OpenAI-compatible API on.")
     model_mount_path: str = Field(
-        default="/models", description="Where pvc:// model sources are mounted (read-only).", pattern=r"^/"
+        default="/models",
+        description="Where pvc:// model sources are mounted (read-only).",
+        pattern=r"^/",
+        max_length=MAX_PATH_LENGTH,
     )
     cache_mount_path: str = Field(
-        default="/cache", description="Where the model cache volume is mounted.", pattern=r"^/"
+        default="/cache",
+        description="Where the model cache volume is mounted.",
+        pattern=r"^/",
+        max_length=MAX_PATH_LENGTH,
     )
     shm_size: Quantity | None = Field(
         default=None,
@@ -300,7 +402,9 @@ class InferenceRuntimeSpec(ApiModel):
     volumes: list[RuntimeVolume] = Field(
         default_factory=list,
         max_length=16,
-        description="Extra volumes of the serving container (driver mounts from the node, config files).",
+        description="Extra volumes of the serving container (driver mounts from the node, config files, writable "
+        "scratch directories), keyed by name. None may take a name or mount path Noctaya uses itself.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     security: RuntimeSecurity = Field(
         default_factory=RuntimeSecurity,
@@ -316,6 +420,34 @@ class InferenceRuntimeSpec(ApiModel):
             "|| (has(self.args) && size(self.args) > 0)",
             message="a custom engine needs a command or args",
             check=lambda s: s.engine != "custom" or bool(s.command) or bool(s.args),
+        ),
+        # Noctaya's own mounts (see RESERVED_VOLUMES): a collision makes every backend Deployment invalid.
+        Rule(
+            cel=f"!{_cel_same_path('self.cacheMountPath', 'self.modelMountPath')} && "
+            f"![self.cacheMountPath, self.modelMountPath].exists(p, {_cel_same_path('p', repr(SHM_MOUNT_PATH))})",
+            message=f"cacheMountPath, modelMountPath and {SHM_MOUNT_PATH} must be three different paths",
+            check=lambda s: not same_path(s.cache_mount_path, s.model_mount_path)
+            and not any(same_path(p, SHM_MOUNT_PATH) for p in (s.cache_mount_path, s.model_mount_path)),
+        ),
+        Rule(
+            cel="!has(self.volumes) || self.volumes.all(v, "
+            f"![self.cacheMountPath, self.modelMountPath].exists(p, {_cel_same_path('v.mountPath', 'p')}))",
+            message="a runtime volume cannot mount at cacheMountPath or modelMountPath: Noctaya mounts the model "
+            "cache and pvc:// model sources there",
+            check=lambda s: not any(
+                same_path(v.mount_path, p) for v in s.volumes for p in (s.cache_mount_path, s.model_mount_path)
+            ),
+        ),
+        Rule(
+            cel="!has(self.volumes) || self.volumes.all(v, self.volumes.filter(w, w.name == v.name).size() == 1)",
+            message="runtime volume names must be unique",
+            check=lambda s: len({v.name for v in s.volumes}) == len(s.volumes),
+        ),
+        Rule(
+            cel="!has(self.volumes) || "
+            "self.volumes.all(v, self.volumes.filter(w, w.mountPath == v.mountPath).size() == 1)",
+            message="two runtime volumes cannot mount at the same path",
+            check=lambda s: len({v.mount_path for v in s.volumes}) == len(s.volumes),
         ),
     )
 

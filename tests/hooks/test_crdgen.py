@@ -513,6 +513,32 @@ RUNTIME_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
         {"engine": "vllm", "image": "x", "env": [{"name": "A", "value": "", "valueFrom": {"fieldRef": {}}}]},
         "set either value or valueFrom, not both",
     ),
+    # Runtime volumes against Noctaya's own mounts (issue #20, item 6).
+    ({"engine": "vllm", "image": "x", "volumes": [{"name": "shm", "mountPath": "/dev/shm", "emptyDir": True}]},
+     "a runtime volume cannot mount at /dev/shm: Noctaya mounts a memory-backed /dev/shm in every serving container "
+     "(size it with shmSize)"),
+    ({"engine": "vllm", "image": "x", "cacheMountPath": "/root/.cache/",
+      "volumes": [{"name": "hf", "mountPath": "/root/.cache", "emptyDir": True}]},
+     "a runtime volume cannot mount at cacheMountPath or modelMountPath: Noctaya mounts the model cache and pvc:// "
+     "model sources there"),
+    ({"engine": "vllm", "image": "x", "volumes": [{"name": "w", "mountPath": "/models", "hostPath": "/srv/w"}]},
+     "a runtime volume cannot mount at cacheMountPath or modelMountPath: Noctaya mounts the model cache and pvc:// "
+     "model sources there"),
+    ({"engine": "vllm", "image": "x", "volumes": [{"name": "t", "mountPath": "/tmp", "emptyDir": True},
+                                                  {"name": "t", "mountPath": "/var/tmp", "emptyDir": True}]},
+     "runtime volume names must be unique"),
+    ({"engine": "vllm", "image": "x", "volumes": [{"name": "a", "mountPath": "/tmp", "emptyDir": True},
+                                                  {"name": "b", "mountPath": "/tmp", "configMap": "c"}]},
+     "two runtime volumes cannot mount at the same path"),
+    ({"engine": "vllm", "image": "x", "cacheMountPath": "/models/"},
+     "cacheMountPath, modelMountPath and /dev/shm must be three different paths"),
+    ({"engine": "vllm", "image": "x", "modelMountPath": "/dev/shm"},
+     "cacheMountPath, modelMountPath and /dev/shm must be three different paths"),
+    ({"engine": "vllm", "image": "x", "cacheMountPath": "/cache/", "security": {"runAsUser": 1000},
+      "volumes": [{"name": "home", "mountPath": "/home/vllm", "emptyDir": True, "readOnly": False},
+                  {"name": "tmp", "mountPath": "/tmp", "emptyDir": True, "readOnly": False},
+                  {"name": "sub", "mountPath": "/cache/sub", "emptyDir": True},
+                  {"name": "dots", "mountPath": "/..x/.y", "emptyDir": True}]}, None),
 ]
 SAMPLES = [(LLMService, spec, broken) for spec, broken in LLM_SAMPLES] + [
     (InferenceRuntime, spec, broken) for spec, broken in RUNTIME_SAMPLES

@@ -1,6 +1,7 @@
 """Every Pod the hooks render, for every example runtime (every vendor) and every cache strategy, is
 admitted by the real API server's Pod Security admission in a namespace enforcing `baseline`; and
-in one enforcing `restricted` wherever the project promises it (see the table in each test).
+in one enforcing `restricted` wherever the project promises it (RESTRICTED below: the vLLM and SGLang
+examples for NVIDIA and llama.cpp; BASELINE_ONLY says why the others are not).
 
 The Pods are the rendered Deployments' templates, created with a server-side dry run (admission runs,
 nothing is stored), as the ReplicaSet controller would create them."""
@@ -77,6 +78,28 @@ def admitted(kube: ControlPlane, namespace: str, pod: dict[str, Any]) -> tuple[b
     return out.returncode == 0, out.stderr.strip()
 
 
+# The promise per shipped runtime (docs/install.md, "Pod Security of the model namespaces", lists the
+# same): `restricted` for these backends (any cache but HostPath) ...
+RESTRICTED = {"llamacpp-cpu", "sglang-nvidia", "vllm-nvidia"}
+# ... and `baseline` only for these, because their accelerator's device nodes belong to a host group
+# whose gid differs between nodes, so the engine runs as the image's root user.
+BASELINE_ONLY = {
+    "vllm-amd-rocm": "ROCm's /dev/kfd and /dev/dri belong to the node's render group",
+    "vllm-ascend": "the NPU devices and driver files belong to the node's HwHiAiUser group",
+}
+
+
+def test_every_shipped_runtime_has_a_promise_and_the_docs_list_the_exceptions() -> None:
+    assert {p.stem for p in RUNTIMES} == RESTRICTED | set(BASELINE_ONLY)
+    for path in RUNTIMES:
+        assert runs_as_non_root(runtime_doc(path)) == (path.stem in RESTRICTED), path.stem
+    docs = (EXAMPLES_DIR.parent / "docs" / "install.md").read_text(encoding="utf-8")
+    section = docs[docs.index("### Pod Security of the model namespaces"):]
+    section = section[:section.index("\n## ")]
+    for name in (*RESTRICTED, *BASELINE_ONLY):
+        assert f"`{name}`" in section, f"docs/install.md's Pod Security table does not name {name}"
+
+
 def runs_as_non_root(runtime: dict[str, Any]) -> bool:
     return bool(runtime["spec"].get("security", {}).get("runAsUser"))
 
@@ -97,7 +120,7 @@ def test_rendered_pods_meet_the_pod_security_levels_promised(kube: ControlPlane,
             elif cache == "HostPath":
                 # A node directory is what `baseline` forbids: HostPath caches need a privileged namespace.
                 assert not ok and "hostPath" in why, f"{level}: {why or 'admitted'}"
-            elif level == "baseline" or runs_as_non_root(runtime):
+            elif level == "baseline" or path.stem in RESTRICTED:
                 assert ok, f"backend ({path.stem}, {cache}) refused by {level}: {why}"
             else:
                 # An engine image that runs as root: the user is the only thing `restricted` objects to.
@@ -161,7 +184,7 @@ def test_prewarm_job_and_staged_backend_meet_the_levels_promised(kube: ControlPl
             ok, why = admitted(kube, namespaces[level], pod)
             if cache == "HostPath":
                 assert not ok and "hostPath" in why, f"{component} {level}: {why or 'admitted'}"
-            elif component == "prewarm" or level == "baseline" or runs_as_non_root(runtime):
+            elif component == "prewarm" or level == "baseline" or path.stem in RESTRICTED:
                 # The Job (and the marker wait) are Noctaya's image: restricted wherever the cache allows.
                 assert ok, f"{component} ({path.stem}, {cache}) refused by {level}: {why}"
             else:

@@ -188,6 +188,60 @@ CASES = [
         _set("lifecycle", {"drainTimeout": "2m", "terminationGracePeriodSeconds": 60}),
         "terminationGracePeriodSeconds must be at least drainTimeout + 10 seconds",
     ),
+    # Runtime volumes against Noctaya's own mounts (#20, item 6): each would make every backend
+    # Deployment invalid. The first is what vLLM's own Kubernetes guide writes.
+    Case(
+        "volume-at-dev-shm",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "shm", "mountPath": "/dev/shm", "emptyDir": True, "readOnly": False}]),
+        "a runtime volume cannot mount at /dev/shm: Noctaya mounts a memory-backed /dev/shm",
+    ),
+    Case(
+        "volume-at-dev-shm-written-loosely",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "shm", "mountPath": "/dev//shm/", "emptyDir": True, "readOnly": False}]),
+        "spec.volumes[0].mountPath",
+        cel=False,
+    ),
+    Case(
+        "volume-at-cache-path",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "hf", "mountPath": "/cache", "emptyDir": True, "readOnly": False}]),
+        "a runtime volume cannot mount at cacheMountPath or modelMountPath",
+    ),
+    Case(
+        "volume-at-custom-model-path",
+        VALID_RUNTIME,
+        _all(_set("modelMountPath", "/weights/"),
+             _set("volumes", [{"name": "w", "mountPath": "/weights", "hostPath": "/srv/weights"}])),
+        "a runtime volume cannot mount at cacheMountPath or modelMountPath",
+    ),
+    Case(
+        "volume-named-like-noctayas",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "model-cache", "mountPath": "/scratch", "emptyDir": True}]),
+        "runtime volume names model-cache, model and dshm are Noctaya's own",
+    ),
+    Case(
+        "two-volumes-one-name",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "tmp", "mountPath": "/tmp", "emptyDir": True},
+                         {"name": "tmp", "mountPath": "/var/tmp", "emptyDir": True}]),
+        "runtime volume names must be unique",
+    ),
+    Case(
+        "two-volumes-one-path",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "a", "mountPath": "/tmp", "emptyDir": True},
+                         {"name": "b", "mountPath": "/tmp", "configMap": "c"}]),
+        "two runtime volumes cannot mount at the same path",
+    ),
+    Case(
+        "cache-path-is-dev-shm",
+        VALID_RUNTIME,
+        _set("cacheMountPath", "/dev/shm"),
+        "cacheMountPath, modelMountPath and /dev/shm must be three different paths",
+    ),
     Case(
         "window-bad-cron",
         VALID_LLMSERVICE,
