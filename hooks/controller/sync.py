@@ -176,7 +176,12 @@ def plan_children(
     if job is not None:
         out.children.append(job)
     if staging is not None and cache_cond.reason != Reason.CACHE_SPEC_CONFLICT:
+        claim_pending = cache_plan.claim is not None and cache_cond.reason == Reason.PROGRESSING
         cache_cond = staging  # the Job says more than the claim (which it binds)
+        if claim_pending and staging.status != "True" and ctx.service.spec.cache.strategy == "NodeLocalPVC":
+            cache_cond = dataclasses.replace(staging, message=st.short(
+                f"{staging.message}; claim {cache_plan.claim['metadata']['name']} binds on the node this Job's Pod "
+                "runs on (its first consumer), and the backend will run on that node"))
     unreachable = _weights_unreachable(ctx, node, observed, cache_plan.claim)
     if unreachable is not None and cache_cond.status == "True":
         cache_cond = st.Cond(ConditionType.CACHE_READY, "False", st.WEIGHTS_NODE_UNAVAILABLE, unreachable)
@@ -341,7 +346,10 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         namespace=namespace_of(parent),
         config=config,
         uid=str((parent.get("metadata") or {}).get("uid") or ""),
-        measured_cold_start=coldstart.measured_total(parent),
+        # The record this sync writes (a cold start that just happened included): the windows
+        # `leadTime: auto` opens and the record land in one status write.
+        measured_cold_start=coldstart.total_seconds(coldstart.record(
+            _backend_replicas(observed, name), observed.live_pods(), parent.get("status"))),
     )
     plan_children(ctx, observed, out, keda, missing)
 
@@ -372,6 +380,12 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         )
     )
     return out
+
+
+def _backend_replicas(observed: obs.Observed, name: str) -> int | None:
+    """The backend Deployment's replicas (None while there is none): what the phase is read against."""
+    deployment = observed_deployment(observed, names.backend(name))
+    return None if deployment is None else st.deployment_counts(deployment)[0]
 
 
 def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, config: HookConfig) -> dict[str, Any]:

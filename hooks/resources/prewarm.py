@@ -197,16 +197,16 @@ if ready; then echo "$what is in the cache; starting the engine"; exit 0; fi
 echo "waiting for $what: the prewarm Job $job writes $marker once every file is verified (kubectl logs -f job/$job shows its progress)"
 waited=0
 while [ "$waited" -lt "$timeout" ]; do
-  sleep %(interval)d
-  waited=$((waited + %(interval)d))
+  sleep @INTERVAL@
+  waited=$((waited + @INTERVAL@))
   if ready; then echo "$what is in the cache after $waited s; starting the engine"; exit 0; fi
-  if [ $((waited %% 60)) -eq 0 ]; then echo "still waiting for $what ($waited s so far)"; fi
+  if [ $((waited % 60)) -eq 0 ]; then echo "still waiting for $what ($waited s so far)"; fi
 done
 said="$what is not in the cache on this node after $timeout s: the prewarm Job $job staged it elsewhere or not at all (kubectl describe job $job)"
 echo "$said" >&2
 echo "$said" > /dev/termination-log 2>/dev/null
 exit 1
-""" % {"interval": WAIT_INTERVAL_SECONDS}
+""".replace("@INTERVAL@", str(WAIT_INTERVAL_SECONDS))
 
 
 def wait_container(ctx: RenderContext) -> dict[str, Any]:
