@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--cache-dir", required=True, help="the mounted cache volume")
         if name in ("hub", "oci"):
             cmd.add_argument("--progress-interval", type=float, default=10.0, help="seconds between progress lines")
+            cmd.add_argument("--lock-timeout", type=float, default=DEFAULT_WAIT_TIMEOUT,
+                             help="give up after waiting this many seconds for another download of the same revision "
+                                  "on this cache (it holds <revision>.lock)")
         if name == "oci":
             cmd.add_argument("--docker-config", default=os.environ.get("NOCTAYA_REGISTRY_CONFIG_FILE", ""),
                              help="Docker config JSON with the registry's credentials (env NOCTAYA_REGISTRY_CONFIG_FILE)")
@@ -82,9 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from scaler.secretfiles import exit_if_a_secret_is_missing
 
             exit_if_a_secret_is_missing("prewarm")
-            stage(model, OciStager(args.docker_config or None, args.plain_http), args.progress_interval)
+            stage(model, OciStager(args.docker_config or None, args.plain_http), args.progress_interval,
+                  lock_timeout=args.lock_timeout)
         else:
-            prewarm(model, progress_interval=args.progress_interval)
+            prewarm(model, progress_interval=args.progress_interval, lock_timeout=args.lock_timeout)
     except PrewarmError as exc:
         return _fail(str(exc))
     except Exception as exc:  # no traceback: a library's locals or messages could carry the token

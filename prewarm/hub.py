@@ -15,15 +15,16 @@ Secret by the Job), never from arguments; every message this module prints is pa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prewarm.layout import LayoutError, ModelDir, check_regular_tree, safe_relative_path
+from prewarm.layout import LayoutError, LockTimeout, ModelDir, check_regular_tree, safe_relative_path
 from prewarm.progress import Progress
 
 log = logging.getLogger("noctaya.prewarm")
@@ -183,8 +184,28 @@ def file_digest(path: Path, h: hashlib._Hash) -> str:
     return h.hexdigest()
 
 
-def prewarm(model: ModelDir, client: HubClient | None = None, progress_interval: float = 10.0) -> dict[str, object]:
-    """Stage ``model`` in the cache; returns the marker. Idempotent: a present marker is success."""
+LOCK_TIMEOUT = 6 * 3600  # the Job's own deadline: waiting longer cannot help
+
+
+@contextlib.contextmanager
+def staging_lock(model: ModelDir, lock_timeout: float, progress_interval: float) -> Iterator[None]:
+    """``model.locked``, its timeout reported as a PrewarmError."""
+    try:
+        with model.locked(lock_timeout, log, progress_interval):
+            yield
+    except LockTimeout as exc:
+        raise PrewarmError(f"{model.source}@{model.revision}: {exc}") from None
+
+
+def prewarm(model: ModelDir, client: HubClient | None = None, progress_interval: float = 10.0,
+            lock_timeout: float = LOCK_TIMEOUT) -> dict[str, object]:
+    """Stage ``model`` in the cache; returns the marker. Idempotent: a present marker is success.
+    One process at a time per revision and cache (``ModelDir.locked``)."""
+    with staging_lock(model, lock_timeout, progress_interval):
+        return _prewarm(model, client, progress_interval)
+
+
+def _prewarm(model: ModelDir, client: HubClient | None, progress_interval: float) -> dict[str, object]:
     existing = model.read_marker()
     if existing is not None:
         log.info("%s@%s is already in the cache (%s files); nothing to do", model.source, model.revision,

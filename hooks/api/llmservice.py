@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import re
 import zoneinfo
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar, Literal
 
@@ -30,58 +29,25 @@ from hooks.api.common import (
     duration_seconds,
 )
 from hooks.api.status import LLMServiceStatus
+from prewarm import sources
 
-# hf://org/name, modelscope://org/name, oci://registry/repo@sha256:<64 hex>, pvc://claim[/sub/path]
-_HUB_SOURCE_RE = r"^(hf|modelscope)://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
-_OCI_SOURCE_RE = r"^oci://[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+@sha256:[a-f0-9]{64}$"
-_PVC_SOURCE_RE = r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[A-Za-z0-9._-]+)*$"
+# The grammar of model.source and model.revision lives in one module (prewarm.sources): the CEL
+# rules below are generated from it, the models parse with it, and the prewarm Job's cache layout
+# uses the same parse.
+_HUB_SOURCE_RE = sources.HUB_SOURCE_RE
+_OCI_SOURCE_RE = sources.OCI_SOURCE_RE
+_PVC_SOURCE_RE = sources.PVC_SOURCE_RE
 MODEL_SOURCE_RE = "|".join(f"({r})" for r in (_HUB_SOURCE_RE, _OCI_SOURCE_RE, _PVC_SOURCE_RE))
 # The schema pattern only checks the scheme; one rule per scheme then says exactly what is wrong
 # (an OpenAPI pattern failure would show the user this whole regex).
-_SCHEME_RE = r"^(hf|modelscope|oci|pvc)://"
+_SCHEME_RE = sources.SCHEME_RE
+ModelSource = sources.ModelSource
+parse_model_source = sources.parse_model_source
 
 
 def _cel_string(regex: str) -> str:
     """A regex as a single-quoted CEL string literal."""
     return "'" + regex.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-# `..` or `.` as a path segment: rejected so a pvc:// subPath cannot leave its claim.
-_DOT_SEGMENT_RE = r"/\.\.?(/|$)"
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A parsed `model.source`."""
-
-    scheme: Literal["hf", "modelscope", "oci", "pvc"]
-    # hf/modelscope: "org/name"; oci: "registry/repo"; pvc: claim name
-    location: str
-    digest: str | None = None  # oci only: "sha256:<hex>"
-    sub_path: str = ""  # pvc only: path inside the claim, no leading slash
-
-    @property
-    def is_hub(self) -> bool:
-        return self.scheme in ("hf", "modelscope")
-
-
-def parse_model_source(source: str) -> ModelSource:
-    """Parse a model source URI; raises ValueError with a user-facing message."""
-    if not re.fullmatch(MODEL_SOURCE_RE, source):
-        raise ValueError(
-            f"model.source {source!r} must be hf://org/name, modelscope://org/name, "
-            "oci://registry/repo@sha256:<digest> (digest pinning is mandatory) or pvc://claim/sub/path"
-        )
-    scheme, rest = source.split("://", 1)
-    if scheme == "oci":
-        location, digest = rest.split("@", 1)
-        return ModelSource("oci", location, digest=digest)
-    if scheme == "pvc":
-        if re.search(_DOT_SEGMENT_RE, "/" + rest):
-            raise ValueError("model.source pvc:// path must not contain '.' or '..' segments")
-        claim, _, sub = rest.partition("/")
-        return ModelSource("pvc", claim, sub_path=sub)
-    return ModelSource(scheme, rest)  # type: ignore[arg-type]
 
 
 class ModelSpec(ApiModel):
@@ -92,13 +58,13 @@ class ModelSpec(ApiModel):
         "oci://registry/repo@sha256:<digest> (an OCI artifact; digest pinning is mandatory), or "
         "pvc://claim/sub/path (pre-staged weights, mounted read-only at the runtime's modelMountPath).",
         pattern=_SCHEME_RE,
-        max_length=512,
+        max_length=sources.SOURCE_MAX,
     )
     revision: str | None = Field(
         default=None,
         description="Hub revision (branch, tag or commit) for hf:// and modelscope:// sources.",
-        pattern=r"^[A-Za-z0-9._/-]+$",
-        max_length=128,
+        pattern=sources.REVISION_RE,
+        max_length=sources.REVISION_MAX,
     )
     served_name: str | None = Field(
         default=None,
@@ -118,26 +84,19 @@ class ModelSpec(ApiModel):
         Rule(
             cel="!(self.source.startsWith('hf://') || self.source.startsWith('modelscope://')) || "
             f"self.source.matches({_cel_string(_HUB_SOURCE_RE)})",
-            message="a hub source is hf://org/name or modelscope://org/name",
+            message=sources.HUB_MESSAGE,
             check=lambda s: not s.source.startswith(("hf://", "modelscope://"))
             or re.fullmatch(_HUB_SOURCE_RE, s.source) is not None,
         ),
         Rule(
             cel=f"!self.source.startsWith('oci://') || self.source.matches({_cel_string(_OCI_SOURCE_RE)})",
-            message="an oci:// source must pin a digest: oci://registry/repo@sha256:<64 hex digits> (tags are not allowed)",
+            message=sources.OCI_MESSAGE,
             check=lambda s: not s.source.startswith("oci://") or re.fullmatch(_OCI_SOURCE_RE, s.source) is not None,
         ),
         Rule(
             cel=f"!self.source.startsWith('pvc://') || self.source.matches({_cel_string(_PVC_SOURCE_RE)})",
-            message="a pvc:// source is pvc://<claim name>[/sub/path]",
+            message=sources.PVC_MESSAGE,
             check=lambda s: not s.source.startswith("pvc://") or re.fullmatch(_PVC_SOURCE_RE, s.source) is not None,
-        ),
-        Rule(
-            cel="!self.source.startsWith('pvc://') || !('/' + self.source.substring(6)).matches("
-            + _cel_string(_DOT_SEGMENT_RE)
-            + ")",
-            message="a pvc:// source must not contain '.' or '..' path segments",
-            check=lambda s: not s.source.startswith("pvc://") or not re.search(_DOT_SEGMENT_RE, "/" + s.source[6:]),
         ),
         Rule(
             cel="!has(self.revision) || self.source.startsWith('hf://') || self.source.startsWith('modelscope://')",

@@ -18,6 +18,7 @@ from hooks.api.common import GROUP, VERSION, ApiModel, CRDInfo, Rule
 from hooks.api.llmservice import LLMService, LLMServiceSpec
 from hooks.api.runtime import InferenceRuntime, InferenceRuntimeSpec
 from hooks.api.status import ConditionType, Reason
+from prewarm import sources
 
 REPO = Path(__file__).resolve().parents[2]
 LLM_FILE = "serving.noctaya.io_llmservices.yaml"
@@ -368,19 +369,27 @@ LLM_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
     ),
     (
         {"model": {"source": "oci://registry.example.com/models/qwen:latest"}, "runtime": {"name": "r"}},
-        "an oci:// source must pin a digest: oci://registry/repo@sha256:<64 hex digits> (tags are not allowed)",
+        sources.OCI_MESSAGE,
+    ),
+    (  # issue #20: admitted once by a looser expression, then the sync hook failed on it forever
+        {"model": {"source": "oci://reg/../x@sha256:" + "a" * 64}, "runtime": {"name": "r"}},
+        sources.OCI_MESSAGE,
+    ),
+    (
+        {"model": {"source": "oci://../x@sha256:" + "a" * 64}, "runtime": {"name": "r"}},
+        sources.OCI_MESSAGE,
     ),
     (
         {"model": {"source": "pvc://Weights_Claim/x"}, "runtime": {"name": "r"}},
-        "a pvc:// source is pvc://<claim name>[/sub/path]",
+        sources.PVC_MESSAGE,
     ),
     (
         {"model": {"source": "pvc://weights/../etc"}, "runtime": {"name": "r"}},
-        "a pvc:// source must not contain '.' or '..' path segments",
+        sources.PVC_MESSAGE,
     ),
     (
         {"model": {"source": "pvc://weights/./x"}, "runtime": {"name": "r"}},
-        "a pvc:// source must not contain '.' or '..' path segments",
+        sources.PVC_MESSAGE,
     ),
     (
         {"model": {"source": "oci://r.io/m@sha256:" + "b" * 64, "revision": "main"}, "runtime": {"name": "r"}},

@@ -4,6 +4,7 @@ registry), installed when missing (root and apt-get) by the set-up step before p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -63,11 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """host:port of a running registry (plain HTTP, no auth)."""
+@contextlib.contextmanager
+def running_registry(root: Path, auth: str = "") -> Iterator[str]:
+    """host:port of a docker-registry serving plain HTTP from ``root``, with ``auth`` (a YAML
+    ``auth:`` block, e.g. htpasswd or token) when given; stopped on exit."""
     binary = ensure_registry_binary()
-    root = tmp_path_factory.mktemp("registry")
     port = free_port()
     config = root / "config.yml"
     config.write_text(f"""version: 0.1
@@ -78,7 +79,7 @@ storage:
     rootdirectory: {root / 'data'}
 http:
   addr: 127.0.0.1:{port}
-""")
+{auth}""")
     log = open(root / "registry.log", "wb")
     proc = subprocess.Popen([binary, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
@@ -86,7 +87,7 @@ http:
         deadline = time.monotonic() + 30
         while True:
             try:
-                if requests.get(f"http://{address}/v2/", timeout=2).status_code == 200:
+                if requests.get(f"http://{address}/v2/", timeout=2).status_code in (200, 401):
                     break
             except requests.RequestException:
                 pass
@@ -101,3 +102,10 @@ http:
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """host:port of a running registry (plain HTTP, no auth)."""
+    with running_registry(tmp_path_factory.mktemp("registry")) as address:
+        yield address

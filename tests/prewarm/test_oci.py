@@ -261,3 +261,104 @@ def test_a_missing_registry_secret_ends_the_job_naming_it(tmp_path: Path) -> Non
                         "NOCTAYA_REGISTRY_CONFIG_FILE": str(tmp_path / "absent" / "config.json")})
     assert done.returncode == 3
     assert term.read_text().startswith('Secret "model-registry" not found')
+
+
+# --- one fetch per blob, bounded sizes (#20, item 2) ----------------------------------------------
+
+SHARED = b'{"shared": true}'
+
+
+def test_identical_files_and_nested_folders_stage_with_each_blob_fetched_once(registry: str, proxy,  # noqa: F811
+                                                                               tmp_path: Path) -> None:
+    # What `oras push` makes of two empty files, a config.json shared by two folders and a directory.
+    d = tarfile.DIRTYPE
+    nested = tar_gz(both(member("deep/", d), member("deep/a/", d), member("deep/a/b/", d), member("deep/a/b/w.bin", data=b"w" * 999),
+                         member("deep/a/config.json", data=SHARED)))
+    layers = [(b"", FILE, {TITLE: "empty-1"}), (b"", FILE, {TITLE: "empty-2"}),
+              (SHARED, FILE, {TITLE: "one/config.json"}), (SHARED, FILE, {TITLE: "two/sub/config.json"}),
+              (nested, DIR, {TITLE: "deep"})]
+    digest = push_layers(registry, "models/dupes", "v1", tmp_path, layers)
+    fetched: list[str] = []
+    counting = proxy(lambda path, body: (fetched.append(path) if "/blobs/" in path else None, body)[1])
+    source = f"oci://{counting.address}/models/dupes@{digest}"
+    model = ModelDir.of(tmp_path / "cache", source, None)
+    marker = stage(model, OciStager(plain_http=True), progress_interval=60)
+    assert tree(model.final) == {"empty-1": b"", "empty-2": b"", "one/config.json": SHARED,
+                                 "two/sub/config.json": SHARED, "deep/a/b/w.bin": b"w" * 999, "deep/a/config.json": SHARED}
+    assert marker["files"] == 6 and marker["layers"] == 5
+    assert len(fetched) == len(set(fetched)) == 3, fetched  # the empty blob, the shared config, the archive
+    assert not model.blobs.exists() and not model.partial.exists()
+    assert {oct(p.stat().st_mode & 0o777) for p in model.final.rglob("*") if p.is_file()} == {"0o644"}
+
+
+class OversizeProxy:
+    """Serves one blob with more bytes than the manifest declares: with a Content-Length saying so,
+    or without one (a close-delimited HTTP/1.0 body, so only counting the stream can stop it)."""
+
+    def __init__(self, upstream: str, extra: int, announce: bool) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if announce else "HTTP/1.0"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                r = requests.get(f"http://{upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")},
+                                 timeout=10)
+                body = r.content
+                big = "/blobs/" in self.path and r.status_code == 200 and len(body) > 1000
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
+                if announce or not big:
+                    self.send_header("Content-Length", str(len(body) + (extra if big else 0)))
+                self.end_headers()
+                self.wfile.write(body)
+                if big:
+                    try:
+                        for _ in range(extra // 65536):
+                            self.wfile.write(b"\0" * 65536)
+                    except OSError:
+                        pass  # the stager hung up: what this test wants
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.server.server_port}"
+
+
+@pytest.mark.parametrize("announce", [True, False], ids=["content-length", "close-delimited"])
+def test_a_blob_stream_longer_than_declared_is_refused(registry: str, tmp_path: Path, announce: bool) -> None:  # noqa: F811
+    digest = push_with_oras(registry, "models/granite", "v1", tmp_path)
+    extra = 256 << 20
+    big = OversizeProxy(registry, extra, announce)
+    try:
+        model = ModelDir.of(tmp_path / "cache", f"oci://{big.address}/models/granite@{digest}", None)
+        with pytest.raises(PrewarmError, match="announces|sent more than"):
+            stage(model, OciStager(plain_http=True), progress_interval=60)
+        assert not model.marker.exists() and not model.blobs.exists()
+    finally:
+        big.server.shutdown()
+        big.server.server_close()
+
+
+def test_a_layer_that_expands_beyond_its_bound_is_refused(registry: str, tmp_path: Path) -> None:  # noqa: F811
+    from prewarm import oci
+
+    bomb = tar_gz(both(member("weights/", tarfile.DIRTYPE), member("weights/zeros.bin", data=b"\0" * (4 << 20))))
+    assert len(bomb) * oci.MAX_EXPANSION < 4 << 20  # about 4 KiB of gzip for 4 MiB of zeros
+    digest = push_layers(registry, "hostile/bomb", "v1", tmp_path, [(bomb, DIR, {TITLE: "weights"})])
+    model = ModelDir.of(tmp_path / "cache", f"oci://{registry}/hostile/bomb@{digest}", None)
+    with pytest.raises(PrewarmError, match="expands to more than"):
+        stage(model, OciStager(plain_http=True), progress_interval=60)
+    assert not model.marker.exists() and not model.final.exists() and not model.partial.exists()
+
+
+def test_an_artifact_larger_than_the_free_space_is_refused_before_any_download(registry: str, tmp_path: Path,  # noqa: F811
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from prewarm import oci
+
+    digest = push_with_oras(registry, "models/granite", "v1", tmp_path)
+    monkeypatch.setattr(oci, "_free_bytes", lambda path: 1000)
+    model = ModelDir.of(tmp_path / "cache", f"oci://{registry}/models/granite@{digest}", None)
+    with pytest.raises(PrewarmError, match="the cache volume has 1000 B free: refused"):
+        stage(model, OciStager(plain_http=True), progress_interval=60)
