@@ -211,6 +211,9 @@ RESERVED_VOLUMES = (CACHE_VOLUME, MODEL_VOLUME, SHM_VOLUME)
 # paths name the same directory exactly when they are equal (the API server compares mount paths as
 # strings; the container runtime cleans them first).
 CLEAN_ABSOLUTE_PATH = r"^(/([^./][^/]*|\.[^./][^/]*|\.\.[^/]+))+$"
+# Noctaya's own mount paths may end in one slash (they always could); the admission rules compare
+# them with runtime volumes' paths ignoring it.
+MOUNT_PATH = CLEAN_ABSOLUTE_PATH.removesuffix("$") + "/?$"
 MAX_PATH_LENGTH = 1024
 
 
@@ -374,14 +377,16 @@ class InferenceRuntimeSpec(ApiModel):
     port: Port = Field(default=8000, description="Port the engine serves its OpenAI-compatible API on.")
     model_mount_path: str = Field(
         default="/models",
-        description="Where pvc:// model sources are mounted (read-only).",
-        pattern=r"^/",
+        description="Where pvc:// model sources are mounted (read-only): an absolute path without `.`/`..` segments "
+        "or doubled slashes.",
+        pattern=MOUNT_PATH,
         max_length=MAX_PATH_LENGTH,
     )
     cache_mount_path: str = Field(
         default="/cache",
-        description="Where the model cache volume is mounted.",
-        pattern=r"^/",
+        description="Where the model cache volume is mounted: an absolute path without `.`/`..` segments or doubled "
+        "slashes.",
+        pattern=MOUNT_PATH,
         max_length=MAX_PATH_LENGTH,
     )
     shm_size: Quantity | None = Field(

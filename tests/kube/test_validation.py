@@ -237,6 +237,13 @@ CASES = [
         "two runtime volumes cannot mount at the same path",
     ),
     Case(
+        "cache-path-written-loosely",
+        VALID_RUNTIME,
+        _set("cacheMountPath", "/./cache"),
+        "spec.cacheMountPath",
+        cel=False,
+    ),
+    Case(
         "cache-path-is-dev-shm",
         VALID_RUNTIME,
         _set("cacheMountPath", "/dev/shm"),
