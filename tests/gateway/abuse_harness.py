@@ -32,6 +32,7 @@ import yaml
 
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
+from tests.gateway.conftest import wait_for
 from tests.gateway.fakebackend import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,14 +43,7 @@ MiB = 1024 * 1024
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return wait_for(predicate, timeout, interval, what)
 
 
 # -- the rendered gateway container ---------------------------------------------------------------
