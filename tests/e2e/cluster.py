@@ -276,11 +276,21 @@ class Cluster:
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake", "--node-lease-duration-seconds=40",
             "--server-address=", "--node-ip=10.200.0.1", "--cidr=10.244.0.0/16"])
         self._still_running("kwok", after=0.5)
-        self.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps({
+        self.add_node(node)
+
+    def add_node(self, node: str, *, gpus: int = 0, labels: dict[str, str] | None = None,
+                 taints: list[dict[str, str]] | None = None) -> None:
+        """One more fake node played by kwok, Ready on return; with ``gpus`` it offers that many
+        ``nvidia.com/gpu`` (kwok-stages.yaml reads the annotation). Delete it with ``kubectl delete node``."""
+        annotations = {"kwok.x-k8s.io/node": "fake", **({"e2e.noctaya.io/gpus": str(gpus)} if gpus else {})}
+        body: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": node, "annotations": {"kwok.x-k8s.io/node": "fake"},
-                         "labels": {"kubernetes.io/hostname": node, "type": "kwok"}},
-        }))
+            "metadata": {"name": node, "annotations": annotations,
+                         "labels": {"kubernetes.io/hostname": node, "type": "kwok", **(labels or {})}},
+        }
+        if taints:
+            body["spec"] = {"taints": taints}
+        self.kubectl("apply", "--server-side", "-f", "-", stdin=json.dumps(body))
         self.wait_api(f"node {node} Ready", lambda: _ready(self.get("node", node)), log="kwok")
 
     def start_keda(self, operator: Path) -> None:
