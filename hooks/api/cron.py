@@ -10,12 +10,18 @@ grammar is checked here so a bad expression is refused at admission, not found l
 It handles what can be written as one cron expression again: a single minute with one or more
 hours; crossing midnight moves the days of the week too, and is refused when a day of month or a
 month is pinned (the day before the 1st is not one cron field).
+
+`pairing` and `clock_change_clash` (below) refuse windows KEDA would open at other times than
+written: KEDA's rule, robfig/cron's daylight-saving behaviour, and why, are described there.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import re
+import zoneinfo
 from dataclasses import dataclass
+from functools import lru_cache
 
 MONTHS = {name: i + 1 for i, name in enumerate(("JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC"))}
 DAYS = {name: i for i, name in enumerate(("SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"))}
@@ -154,10 +160,6 @@ def shift_earlier(expr: str, minutes: int) -> str | None:
 # that occurs twice (fall back). The checks below refuse what would not open exactly from
 # start − lead to end, and say on which date and why.
 # ---------------------------------------------------------------------------------------------
-
-import datetime as _dt  # noqa: E402
-import zoneinfo  # noqa: E402
-from functools import lru_cache  # noqa: E402
 
 CYCLE_YEARS = 29  # the Gregorian calendar repeats every 28 years between 1901 and 2099: all weekday/date combinations
 DAY = 24 * 60
@@ -338,13 +340,6 @@ def _firings_near(schedule: Schedule, change: Change, before: int, after: int) -
             out += [delta * DAY + m for m in schedule.minutes
                     if change.low - before <= delta * DAY + m < change.high + after]
     return out
-
-
-@dataclass(frozen=True)
-class Clash:
-    """A firing that KEDA would read differently from what is written, and what would happen."""
-
-    message: str
 
 
 def _at_change(kind: str, expr: str, change: Change, minute: int, tz: str, lead: int = 0) -> str:

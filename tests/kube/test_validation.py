@@ -340,10 +340,13 @@ HOOK_ONLY = [
     ({"start": "0 8 * * *", "end": "0 18 * * *", "timeZone": "Mars/Olympus"}, "is not an IANA time zone"),
     ({"start": "0 18-8 * * *", "end": "0 19 * * *"}, "range 18-8 runs backwards"),
     ({"start": "*/15 8 * * *", "end": "0 18 * * *", "leadTime": "5m"}, "cannot move start"),
+    ({"start": "*/15 9-17 * * 1-5", "end": "0 18 * * 1-5"}, "fires 36 times before end"),
+    ({"start": "30 3 * * *", "end": "0 18 * * *", "timeZone": "Europe/Berlin", "leadTime": "1h"}, "which does not exist"),
 ]
 
 
-@pytest.mark.parametrize(("window", "message"), HOOK_ONLY, ids=["time-zone", "backwards-range", "unshiftable-lead"])
+@pytest.mark.parametrize(("window", "message"), HOOK_ONLY, ids=["time-zone", "backwards-range", "unshiftable-lead",
+                                                                 "start-fires-before-end", "lead-into-dst-gap"])
 def test_what_cel_cannot_check_is_admitted_and_refused_by_the_hooks(validating: ControlPlane, window: dict[str, Any],
                                                                    message: str) -> None:
     obj = copy.deepcopy(VALID_LLMSERVICE)
@@ -362,7 +365,7 @@ def test_a_valid_window_is_admitted(validating: ControlPlane) -> None:
     obj = copy.deepcopy(VALID_LLMSERVICE)
     obj["spec"]["scaling"] = {"max": 2, "schedules": [
         {"start": "0 8 * * MON-FRI", "end": "0 18 * * MON-FRI", "timeZone": "Europe/Berlin", "replicas": 2, "leadTime": "auto"},
-        {"start": "*/30 9-17 1,15 jan-jun ?", "end": "59 23 * * SUN", "leadTime": "0s"}]}
+        {"start": "0 9 1,15 jan-jun ?", "end": "59 23 1,15 jan-JUN ?", "leadTime": "0s"}]}
     ok, output = server_create(validating, obj)
     assert ok, output
     LLMService.model_validate(obj)
