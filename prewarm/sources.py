@@ -51,7 +51,7 @@ DEFAULT_REVISION = {"hf": "main", "modelscope": "master"}
 HUB_MESSAGE = "a hub source is hf://org/name or modelscope://org/name"
 OCI_MESSAGE = ("an oci:// source must pin a digest: oci://registry[:port]/repo@sha256:<64 hex digits> (tags are not "
                "allowed), registry and repository in lower case, each path segment a name (never '.' or '..')")
-PVC_MESSAGE = "a pvc:// source is pvc://<claim name>[/sub/path] and must not contain '.' or '..' path segments"
+PVC_MESSAGE = "a pvc:// source must not contain '.' or '..' path segments: it is pvc://<claim name>[/sub/path]"
 
 
 @dataclass(frozen=True)
