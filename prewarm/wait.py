@@ -4,6 +4,11 @@ A prewarmed cache is filled by a Job; a serving Pod that starts earlier (a cold 
 download, a node that lost its local cache) would otherwise load half-written weights or download
 them itself. This waits, saying what for, and exits 0 once the marker names the right source and
 revision; after ``timeout`` it exits 1 with that reason, and the kubelet retries it with backoff.
+
+The rendered ``wait-for-weights`` init container no longer runs this: it is the same check as a POSIX
+``sh`` loop in the engine's own image (``hooks.resources.prewarm.WAIT_SCRIPT``), so a Noctaya upgrade
+leaves serving Pods alone. ``python -m prewarm wait`` stays for running the check by hand (e.g.
+``kubectl debug`` with Noctaya's image on a node) and for Pods rendered by earlier versions.
 """
 
 from __future__ import annotations
