@@ -377,8 +377,16 @@ def clock_change_clash(start: str, end: str, tz: str, lead: int, first_year: int
     return None
 
 
+# The first year the checks walk (CYCLE_YEARS from it). Fixed, not the current year: the hooks'
+# answer must not depend on the date they run (a message naming a date would change at New Year and
+# write the status again). 29 years from 2026 cover every weekday/date combination and the time zone
+# rules tzdata knows for the next decades; move it forward when tzdata is bumped years from now.
+FIRST_YEAR = 2026
+
+
 def this_year() -> int:
-    return _dt.datetime.now(_dt.UTC).year
+    """The year the checks start from (FIRST_YEAR, never the clock)."""
+    return FIRST_YEAR
 
 
 def max_safe_lead(start: str, tz: str, limit: int, first_year: int) -> int | None:
