@@ -43,6 +43,7 @@ class Reason(StrEnum):
     # cache
     PREWARM_FAILED = "PrewarmFailed"
     CACHE_SPEC_CONFLICT = "CacheSpecConflict"
+    WEIGHTS_NODE_UNAVAILABLE = "WeightsNodeUnavailable"  # node-local weights on a node the backend cannot use
     NOT_IMPLEMENTED = "NotImplemented"
     # configuration
     RUNTIME_NOT_FOUND = "RuntimeNotFound"

@@ -29,9 +29,9 @@ IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImag
 # Restarts after which a container that is not crash-looping right now still counts as failing.
 REPEATED_TERMINATION_RESTARTS = 3
 
-# Not (yet) a member of hooks.api.status.Reason, which this module does not own: the weights of a
-# node-local cache are on a node the backend cannot be scheduled on (gone, NotReady, cordoned, full).
-WEIGHTS_NODE_UNAVAILABLE = "WeightsNodeUnavailable"
+# The weights of a node-local cache are on a node the backend cannot be scheduled on (gone, NotReady,
+# cordoned, full).
+WEIGHTS_NODE_UNAVAILABLE = Reason.WEIGHTS_NODE_UNAVAILABLE
 
 # Worst first: the most specific, least self-healing cause wins when several Pods fail differently.
 FAILURE_SEVERITY = (
