@@ -24,6 +24,27 @@ Pod phases, in the order a Pod passes through them:
     NotReady      was Ready, lost readiness while the   since Ready's lastTransitionTime
                   container kept running (not a start)
     Ready         passes readiness                       since Ready's lastTransitionTime
+
+Pods that are being deleted or are over (status.phase Failed or Succeeded: evicted, shut down with
+their node) are not counted at all: a leftover that pod GC removes days later neither serves nor wakes.
+
+What "a cold start" is, from observed objects alone. The hooks are pure and keep no memory but the
+status they wrote, so the backend's phase is also its state:
+
+- *cold*: `ScaledToZero` (the Deployment at zero and no live Pod) and the phases of a backend waking
+  from it — `Scheduling`, `Initializing`, `PullingImage`, `LoadingModel`. A new LLMService starts
+  cold (its first start counts).
+- *warm*: `Ready`, and `NotReady`, which the service shows while no replica is Ready although the
+  backend served and has not been at zero since (a readiness blip, an engine restarting after a
+  crash, a replacement for an evicted replica, a rollout). Warm lasts until the backend is seen at
+  zero again.
+
+A cold start happened when the previous status was cold and now a live Pod is Ready; the record is
+that Pod's start (the earliest Ready Pod, created → Ready), unless it is the Pod already recorded.
+Nothing in a warm backend rewrites the record, and a Pod that had already served before the hooks
+saw it (per-Pod `NotReady`) makes the backend warm without a record. Because the phase carries the
+state, the record and the phase change in the same status write, and `leadTime: auto` reads the
+record this sync writes (`record`), not the previous one.
 """
 
 from __future__ import annotations
@@ -45,9 +66,13 @@ Phase = BackendPhase  # the status model owns the names (and so the CRD's enum)
 
 # How far along a Pod is: the service shows its most advanced Pod while none is Ready.
 _PROGRESS = (Phase.SCHEDULING, Phase.INITIALIZING, Phase.PULLING_IMAGE, Phase.LOADING_MODEL, Phase.NOT_READY, Phase.READY)
-# A Pod becoming Ready after one of these is a cold start worth recording (NotReady → Ready is a
-# recovery of a Pod that already served, and Ready → Ready a scale-out: neither is a cold start).
+# The cold phases: nothing served since the backend was last at zero (or created). A Pod becoming
+# Ready after one of these is a cold start worth recording.
 WAKING = frozenset({Phase.SCALED_TO_ZERO, Phase.SCHEDULING, Phase.INITIALIZING, Phase.PULLING_IMAGE, Phase.LOADING_MODEL})
+# The warm phases: a replica served and the backend has not been at zero since.
+WARM = frozenset({Phase.READY, Phase.NOT_READY})
+# Pods that are over: they neither serve nor wake (evicted, shut down with their node, completed).
+TERMINAL_POD_PHASES = frozenset({"Failed", "Succeeded"})
 
 
 @dataclass(frozen=True)
@@ -122,25 +147,46 @@ def pod_phase(pod: dict[str, Any]) -> PodPhase:
     return PodPhase(Phase.SCHEDULING, created if isinstance(created, str) and created else None, name)
 
 
+def is_over(pod: dict[str, Any]) -> bool:
+    """Being deleted, or finished for good (Failed — evicted, node shutdown — or Succeeded)."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    status = pod.get("status") or {}
+    return status.get("phase") in TERMINAL_POD_PHASES or status.get("reason") == "Evicted"
+
+
 def _live(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    return [p for p in pods if not is_over(p)]
 
 
-def service_phase(desired_replicas: int | None, pods: Iterable[dict[str, Any]]) -> PodPhase | None:
+def _unready_since(pods: list[dict[str, Any]]) -> str | None:
+    """When the last of these (not Ready) Pods changed readiness: for the replica that served, when
+    it lost readiness."""
+    times = [(t, c["lastTransitionTime"]) for c in (_conditions(p).get("Ready") for p in pods)
+             if c is not None and (t := _time(c.get("lastTransitionTime"))) is not None]
+    return max(times)[1] if times else None
+
+
+def service_phase(desired_replicas: int | None, pods: Iterable[dict[str, Any]], warm: bool = False) -> PodPhase | None:
     """The backend's phase as a whole (None without a backend Deployment).
 
-    Ready as soon as one Pod is (since the earliest of them); otherwise the most advanced Pod's
-    phase; with no Pod, ScaledToZero or (asked for, not yet created) Scheduling. Pods being deleted
-    no longer count: they are draining, not serving new work.
+    Ready as soon as one Pod is (since the earliest of them). Otherwise, while warm (the previous
+    phase was Ready or NotReady), NotReady unless the Deployment is at zero with no Pod left; while
+    cold, the most advanced Pod's phase (NotReady when a Pod already served), and with no Pod
+    ScaledToZero or (asked for, not yet created) Scheduling. Pods being deleted or over (Failed,
+    Succeeded) no longer count: they are draining or gone, not serving and not waking.
     """
     if desired_replicas is None:
         return None
-    phases = [pod_phase(p) for p in _live(pods)]
-    if not phases:
-        return PodPhase(Phase.SCALED_TO_ZERO if desired_replicas == 0 else Phase.SCHEDULING, None, "")
+    live = _live(pods)
+    phases = [pod_phase(p) for p in live]
     ready = [p for p in phases if p.phase == Phase.READY]
     if ready:
         return min(ready, key=lambda p: (_time(p.since) or _NEVER, p.pod))
+    if not phases and (desired_replicas == 0 or not warm):
+        return PodPhase(Phase.SCALED_TO_ZERO if desired_replicas == 0 else Phase.SCHEDULING, None, "")
+    if warm:
+        return PodPhase(Phase.NOT_READY, _unready_since(live), "")
     # Most advanced first; between equals the one that got there first (then by name): stable.
     return min(phases, key=lambda p: (-_PROGRESS.index(p.phase), _time(p.since) or _NEVER, p.pod))
 
@@ -172,7 +218,15 @@ def cold_start(pod: dict[str, Any]) -> dict[str, Any] | None:
     scheduled = _true_since(conds, "PodScheduled")
     initialized = _true_since(conds, "Initialized")
     ready = _true_since(conds, "Ready")
-    started = ((_serving_status(pod).get("state") or {}).get("running") or {}).get("startedAt")
+    engine = _serving_status(pod)
+    started = ((engine.get("state") or {}).get("running") or {}).get("startedAt")
+    # An engine that exited during the start (an OOM kill while loading) and was restarted: the
+    # image was pulled before its first run, the Pod shows the one before the current (the first
+    # when it restarted once). The time from there on is loading, retries included.
+    before = ((engine.get("lastState") or {}).get("terminated") or {}).get("startedAt")
+    first, current = _time(before), _time(started)
+    if first is not None and current is not None and first < current:
+        started = before
     total = seconds(created, ready)
     spans = [seconds(created, scheduled), seconds(scheduled, initialized), seconds(initialized, started), seconds(started, ready)]
     if total is None or any(s is None for s in spans):
@@ -191,6 +245,28 @@ def cold_start(pod: dict[str, Any]) -> dict[str, Any] | None:
     ).wire()
 
 
+def _as_dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _now(desired_replicas: int | None, pods: list[dict[str, Any]], previous: dict[str, Any]) -> PodPhase | None:
+    return service_phase(desired_replicas, pods, warm=previous.get("phase") in WARM)
+
+
+def record(desired_replicas: int | None, pods: list[dict[str, Any]], previous_status: Any) -> dict[str, Any] | None:
+    """The `lastColdStart` a sync of this world writes: the previous one, unless a cold start happened
+    (the previous phase was cold and now a Pod not yet recorded is Ready): then that Pod's start."""
+    previous = _as_dict(previous_status)
+    kept = previous.get("lastColdStart") if isinstance(previous.get("lastColdStart"), dict) else None
+    now = _now(desired_replicas, pods, previous)
+    if now is None or now.phase != Phase.READY or previous.get("phase") not in WAKING:
+        return kept
+    if (kept or {}).get("pod") == now.pod:
+        return kept
+    pod = next(p for p in _live(pods) if _name(p) == now.pod)
+    return cold_start(pod) or kept
+
+
 def timeline(
     desired_replicas: int | None,
     pods: list[dict[str, Any]],
@@ -198,32 +274,36 @@ def timeline(
     clock: Callable[[], str],
 ) -> dict[str, Any]:
     """`phase`, `phaseSince` and `lastColdStart` for the status (keys absent when unknown)."""
-    previous = previous_status if isinstance(previous_status, dict) else {}
+    previous = _as_dict(previous_status)
     out: dict[str, Any] = {}
-    record = previous.get("lastColdStart") if isinstance(previous.get("lastColdStart"), dict) else None
-    now = service_phase(desired_replicas, pods)
+    now = _now(desired_replicas, pods, previous)
     if now is not None:
         since = now.since
-        if since is None:
-            # Nothing on a Pod says when (scaled to zero, or no Pod created yet): keep the time this
-            # phase was first seen; the clock is read only when the phase changed.
-            kept = previous.get("phaseSince")
-            since = kept if previous.get("phase") == now.phase and isinstance(kept, str) else clock()
+        kept = previous.get("phaseSince")
+        same = previous.get("phase") == now.phase and isinstance(kept, str)
+        if same and now.phase == Phase.NOT_READY:
+            since = kept  # the backend stopped serving then, whatever its Pods did since
+        elif since is None:
+            # Nothing on a Pod says when (scaled to zero, no Pod created yet, a warm backend without a
+            # Pod): keep the time this phase was first seen; the clock is read only when it changed.
+            since = kept if same else clock()
         out["phase"] = str(now.phase)
         out["phaseSince"] = since
-        if now.phase == Phase.READY and previous.get("phase") in WAKING and (record or {}).get("pod") != now.pod:
-            pod = next(p for p in _live(pods) if _name(p) == now.pod)
-            record = cold_start(pod) or record
-    if record is not None:
-        out["lastColdStart"] = record
+    last = record(desired_replicas, pods, previous)
+    if last is not None:
+        out["lastColdStart"] = last
     return out
+
+
+def total_seconds(last: Any) -> int | None:
+    """Seconds of a `lastColdStart` record (None when there is none)."""
+    total = last.get("total") if isinstance(last, dict) else None
+    if isinstance(total, str) and total.endswith("s") and total[:-1].isdigit():
+        return int(total[:-1])
+    return None
 
 
 def measured_total(parent: dict[str, Any]) -> int | None:
     """Seconds of the last cold start in the parent's status (None when none was recorded)."""
     status = parent.get("status")
-    record = status.get("lastColdStart") if isinstance(status, dict) else None
-    total = record.get("total") if isinstance(record, dict) else None
-    if isinstance(total, str) and total.endswith("s") and total[:-1].isdigit():
-        return int(total[:-1])
-    return None
+    return total_seconds(status.get("lastColdStart") if isinstance(status, dict) else None)

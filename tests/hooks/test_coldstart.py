@@ -200,3 +200,108 @@ def test_the_sync_hook_reports_the_start_and_a_resync_leaves_the_status_byte_ide
     assert parent["status"]["lastColdStart"] == {"pod": "qwen-backend-1", "startedAt": at(0), "readyAt": at(154), **BREAKDOWN}
     resync = sync(_request(parent, [waking_pod("qwen-backend-1", **STEPS[-1][2])], replicas=1), h.config("2027-01-01T00:00:00Z"))
     assert json.dumps(resync["status"], sort_keys=True) == json.dumps(parent["status"], sort_keys=True)
+
+
+def _crash(pod: dict[str, Any], *, ran: tuple[float, float], restarted: float | None, restarts: int = 1) -> dict[str, Any]:
+    """The engine's run `ran` ended (the Pod lost readiness then, if it had it); restarted at `restarted`."""
+    engine = pod["status"]["containerStatuses"][0]
+    engine.update(restartCount=restarts, ready=False, started=restarted is not None,
+                  lastState={"terminated": {"exitCode": 137, "reason": "Error", "startedAt": at(ran[0]), "finishedAt": at(ran[1])}},
+                  state={"running": {"startedAt": at(restarted)}} if restarted is not None
+                  else {"waiting": {"reason": "CrashLoopBackOff"}})
+    for cond in pod["status"]["conditions"]:
+        if cond["type"] == "Ready" and cond["status"] == "True":
+            cond.update(status="False", lastTransitionTime=at(ran[1]))
+    return pod
+
+
+def test_the_issue_a_late_joiner_that_crashes_and_restarts_keeps_the_record() -> None:
+    # #20 item 5: the replica that joined by scale-out is the only one left; its engine crashes.
+    statuses = walk([[], [waking_pod(**STEPS[-1][2])]])
+    record = statuses[-1]["lastColdStart"]
+    joiner = dict(created=500, scheduled=501, initialized=502, started=503, ready=510)
+    after = walk([[waking_pod(**STEPS[-1][2]), waking_pod("m-backend-2", **joiner)], [waking_pod("m-backend-2", **joiner)],
+                  [_crash(waking_pod("m-backend-2", **joiner), ran=(503, 1400), restarted=None)],
+                  [_crash(waking_pod("m-backend-2", **joiner), ran=(503, 1400), restarted=1410)],
+                  [waking_pod("m-backend-2", **{**joiner, "ready": 1463})]], status=statuses[-1])
+    assert [s["phase"] for s in after] == ["Ready", "Ready", "NotReady", "NotReady", "Ready"]
+    assert [s["phaseSince"] for s in after[2:4]] == [at(1400), at(1400)]  # since it stopped serving
+    assert all(s["lastColdStart"] == record for s in after)  # not `imagePull 908s, total 963s`
+
+
+def test_leftovers_that_are_over_neither_serve_nor_wake() -> None:
+    evicted = waking_pod(scheduled=1, initialized=2, started=3, unready_at=900)
+    evicted["status"].update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
+    done = waking_pod("m-backend-2", scheduled=1, initialized=2, started=3, ready=40)
+    done["status"]["phase"] = "Succeeded"
+    shut_down = waking_pod("m-backend-3", scheduled=1, initialized=2)
+    shut_down["status"].update(phase="Failed", reason="Terminated")
+    for leftovers in ([evicted], [done], [shut_down], [evicted, done, shut_down]):
+        assert cs.service_phase(0, leftovers).phase == Phase.SCALED_TO_ZERO  # not PullingImage for days
+        assert cs.service_phase(1, leftovers).phase == Phase.SCHEDULING  # the replacement is not created yet
+        assert cs.service_phase(1, leftovers, warm=True).phase == Phase.NOT_READY
+    idle = cs.timeline(0, [], None, _clock(at(5000)))
+    assert cs.timeline(0, [evicted, done], idle, _clock(at(9000))) == idle
+
+
+def test_a_warm_backend_that_lost_its_replicas_is_not_ready_until_one_is_again_and_that_is_no_cold_start() -> None:
+    first = walk([[], [waking_pod(**STEPS[-1][2])]])[-1]
+    evicted = waking_pod(**STEPS[-1][2])
+    evicted["status"].update(phase="Failed", reason="Evicted")
+    replacement = dict(created=3000, scheduled=3010, initialized=3020, started=3030)
+    after = walk([[evicted], [evicted, waking_pod("m-backend-2", created=3000)],
+                  [evicted, waking_pod("m-backend-2", **replacement)],
+                  [evicted, waking_pod("m-backend-2", **replacement, ready=3100)]], status=first)
+    assert [s["phase"] for s in after] == ["NotReady"] * 3 + ["Ready"]
+    assert {s["phaseSince"] for s in after[:3]} == {at(9999)}  # no Pod says when: first seen, then kept
+    assert all(s["lastColdStart"] == first["lastColdStart"] for s in after)
+    # At zero it is cold again: the next start is one.
+    idle = walk([[evicted]], desired=0, status=after[-1])[-1]
+    assert idle["phase"] == "ScaledToZero"
+    woke = walk([[evicted, waking_pod("m-backend-3", created=9000, scheduled=9001, initialized=9002, started=9003,
+                                      ready=9030)]], status=idle)[-1]
+    assert woke["lastColdStart"]["pod"] == "m-backend-3" and woke["lastColdStart"]["total"] == "30s"
+
+
+def test_an_engine_that_crashed_while_loading_counts_its_pull_until_its_first_run() -> None:
+    # Initialized 44, first run 71..120 (OOM-killed while loading), restarted 125, Ready 200.
+    pod = _crash(waking_pod(scheduled=12, wait=(13, 43), initialized=44), ran=(71, 120), restarted=125)
+    assert cs.pod_phase(pod).phase == Phase.LOADING_MODEL
+    for cond in pod["status"]["conditions"]:
+        if cond["type"] == "Ready":
+            cond.update(status="True", lastTransitionTime=at(200))
+    statuses = walk([[waking_pod(**STEPS[0][2])], [pod]])
+    assert statuses[-1]["lastColdStart"] == {"pod": "m-backend-1", "startedAt": at(0), "readyAt": at(200), **BREAKDOWN,
+                                             "modelLoad": "129s", "total": "200s"}
+
+
+def test_a_pod_that_served_before_the_hooks_saw_it_ready_is_not_taken_for_a_cold_start() -> None:
+    idle = cs.timeline(0, [], None, _clock(at(1)))
+    blipped = waking_pod(created=10, scheduled=11, initialized=12, started=13, unready_at=100)
+    statuses = walk([[blipped], [waking_pod(created=10, scheduled=11, initialized=12, started=13, ready=130)]], status=idle)
+    assert [s["phase"] for s in statuses] == ["NotReady", "Ready"] and all("lastColdStart" not in s for s in statuses)
+
+
+def _windows_parent() -> dict[str, Any]:
+    return h.llmservice(scaling={"min": 0, "max": 2, "schedules": [
+        {"start": "0 8 * * *", "end": "0 18 * * *", "leadTime": "auto", "replicas": 1}]})
+
+
+def test_lead_time_auto_settles_in_one_status_write() -> None:
+    """The record and the AutoscalingReady message that quotes the lead it gives land together; the
+    decorator then changes the ScaledObject (an attachment) once, and nothing is written after."""
+    from hooks.controller import autoscaling as decorator
+
+    parent = _windows_parent()
+    worlds = [[], [waking_pod("qwen-backend-1", **STEPS[2][2])], *[[waking_pod("qwen-backend-1", **STEPS[-1][2])]] * 3]
+    writes, starts = [], []
+    for pods in worlds:
+        status = sync(_request(parent, pods, replicas=1), h.config(h.LATER_TIME))["status"]
+        writes.append(json.dumps(status, sort_keys=True) != json.dumps(parent.get("status"), sort_keys=True))
+        parent = {**parent, "status": status}
+        attached = decorator.sync(h.decorator_request(parent), h.config())["attachments"][0]
+        starts.append(next(t for t in attached["spec"]["triggers"] if t["type"] == "cron")["metadata"]["start"])
+    assert writes == [True, True, True, False, False]
+    assert starts == ["0 8 * * *", "0 8 * * *", "57 7 * * *", "57 7 * * *", "57 7 * * *"]
+    message = next(c["message"] for c in parent["status"]["conditions"] if c["type"] == "AutoscalingReady")
+    assert "opening 3m early" in message
