@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hooks.api.status import ConditionType, Reason
+from hooks.controller.coldstart import is_over
 
 MAX_MESSAGE = 400
 
@@ -78,8 +79,8 @@ def _int(value: Any, default: int = 0) -> int:
 
 def pod_failures(pod: dict[str, Any]) -> list[tuple[Reason, str]]:
     """Why one backend Pod cannot serve, from its status (empty when nothing is wrong yet)."""
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return []  # draining on purpose
+    if is_over(pod):
+        return []  # draining on purpose, or a leftover (evicted, failed) that pod GC will remove
     name = _name(pod)
     status = pod.get("status") or {}
     found: list[tuple[Reason, str]] = []

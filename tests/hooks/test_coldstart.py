@@ -305,3 +305,15 @@ def test_lead_time_auto_settles_in_one_status_write() -> None:
     assert starts == ["0 8 * * *", "0 8 * * *", "57 7 * * *", "57 7 * * *", "57 7 * * *"]
     message = next(c["message"] for c in parent["status"]["conditions"] if c["type"] == "AutoscalingReady")
     assert "opening 3m early" in message
+
+
+def test_a_leftover_pod_reports_no_backend_failure() -> None:
+    # An evicted Pod whose engine was OOM-killed stays until pod GC removes it: it neither serves
+    # nor fails the backend (its replacement, if any, is judged on its own).
+    from hooks.controller.status import pod_failures
+
+    oom = {"name": "engine", "ready": False, "state": {"terminated": {"reason": "OOMKilled"}}}
+    live = {"metadata": {"name": "b-1"}, "status": {"phase": "Running", "containerStatuses": [oom]}}
+    evicted = {"metadata": {"name": "b-2"}, "status": {"phase": "Failed", "reason": "Evicted",
+                                                       "containerStatuses": [oom]}}
+    assert pod_failures(live) and not pod_failures(evicted)
