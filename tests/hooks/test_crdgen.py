@@ -471,7 +471,7 @@ _CRON_HELP = ("5-field cron expression (minute 0-59, hour 0-23, day of month 1-3
 LLM_SAMPLES += [
     ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"max": 2, "schedules": [
         {**_WINDOW, "timeZone": "Europe/Berlin", "replicas": 2, "leadTime": "auto"},
-        {"start": "*/30 9-17 1,15 jan-jun ?", "end": "59 23 * * SUN", "leadTime": "0s"}]}}, None),
+        {"start": "0 9 1,15 jan-jun ?", "end": "59 23 1,15 JAN-jun ?", "leadTime": "0s"}]}}, None),
     ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "start": "61 8 * * *"}]}},
      f'schedules[].start must be a {_CRON_HELP}, e.g. "0 8 * * MON-FRI"'),
     ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "scaling": {"schedules": [{**_WINDOW, "end": "0 8 * *"}]}},

@@ -51,6 +51,7 @@ from hooks.controller.sync import sync
 from tests.hooks import helpers as h
 from tests.hooks.golden_cases import MEASURED_COLD_START
 
+
 @pytest.fixture(autouse=True)
 def _from_2026(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hooks check clock changes from the current year on (29 years, a calendar cycle); the
