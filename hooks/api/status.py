@@ -50,7 +50,7 @@ class Reason(StrEnum):
     AMBIGUOUS_RUNTIME = "AmbiguousRuntime"
     KEDA_NOT_INSTALLED = "KEDANotInstalled"
     INVALID_SPEC = "InvalidSpec"
-    VOLUME_CONFLICT = "VolumeConflict"  # InferenceRuntime only: a runtime volume takes one of Noctaya's mounts
+    VOLUME_CONFLICT = "VolumeConflict"  # a runtime volume takes one of Noctaya's mounts (runtime and its LLMServices)
     SECRET_NOT_FOUND = "SecretNotFound"
     WAITING_FOR_DEPENDENCIES = "WaitingForDependencies"
     TERMINATING = "Terminating"

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hooks.api.llmservice import RuntimeRef
-from hooks.api.runtime import InferenceRuntime
+from hooks.api.runtime import InferenceRuntime, volume_conflicts
 from hooks.api.status import Reason
 from hooks.errors import describe_validation_error
 
@@ -36,11 +36,24 @@ def _name(obj: dict[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("name", ""))
 
 
+def _volume_conflict(obj: dict[str, Any]) -> Resolution | None:
+    """A runtime whose volumes collide with Noctaya's own mounts, named by volume (its backend would
+    be refused by the API server on every sync)."""
+    conflicts = volume_conflicts(obj.get("spec"))
+    if not conflicts:
+        return None
+    return Resolution(None, Reason.VOLUME_CONFLICT,
+                      f"InferenceRuntime {_name(obj)} is not accepted: {'; '.join(conflicts)}")
+
+
 def select_runtime(ref: RuntimeRef, candidates: Iterable[dict[str, Any]]) -> Resolution:
     objects = sorted((o for o in candidates if isinstance(o, dict)), key=_name)
     if ref.name is not None:
         for obj in objects:
             if _name(obj) == ref.name:
+                conflict = _volume_conflict(obj)
+                if conflict is not None:
+                    return conflict
                 try:
                     runtime = InferenceRuntime.model_validate(obj)
                 except ValidationError as exc:
@@ -58,6 +71,9 @@ def select_runtime(ref: RuntimeRef, candidates: Iterable[dict[str, Any]]) -> Res
     for obj in objects:
         labels = (obj.get("metadata") or {}).get("labels") or {}
         if not ref.selector.matches(labels):
+            continue
+        if _volume_conflict(obj) is not None:
+            invalid.append(_name(obj))
             continue
         try:
             matching.append(InferenceRuntime.model_validate(obj))

@@ -206,3 +206,21 @@ def test_a_non_root_example_engine_has_somewhere_to_write(path: Path) -> None:
         assert any(_under("/tmp", m) for m in writable), writable
         assert env["HF_HOME"].endswith("/huggingface") and not _under(env["HF_HOME"], env["HOME"])
         assert pod["securityContext"]["fsGroup"] == doc["spec"]["security"]["runAsUser"]
+
+
+def test_an_llmservice_names_the_colliding_volume_of_its_runtime() -> None:
+    # A runtime stored before the admission rules existed: the LLMService says which volume, and a
+    # selector skips the runtime instead of rendering a backend the API server would refuse.
+    from hooks.api.llmservice import RuntimeRef
+    from hooks.api.status import Reason
+    from hooks.runtime.select import select_runtime
+
+    runtime = {"apiVersion": "serving.noctaya.io/v1alpha1", "kind": "InferenceRuntime",
+               "metadata": {"name": "vllm", "labels": {"engine": "vllm"}},
+               "spec": {"engine": "vllm", "image": "vllm/vllm-openai:v0.8.5",
+                        "volumes": [{"name": "vllm-shm", "mountPath": "/dev/shm", "emptyDir": {}}]}}
+    by_name = select_runtime(RuntimeRef.model_validate({"name": "vllm"}), [runtime])
+    assert by_name.reason is Reason.VOLUME_CONFLICT and not by_name.resolved
+    assert "vllm-shm" in by_name.message and "/dev/shm" in by_name.message
+    by_label = select_runtime(RuntimeRef.model_validate({"selector": {"matchLabels": {"engine": "vllm"}}}), [runtime])
+    assert by_label.reason is Reason.RUNTIME_NOT_FOUND and "skipped invalid: vllm" in by_label.message
