@@ -13,6 +13,8 @@ from tests.setup import REPO_ROOT, prepare, steps_for_paths
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
     e2e = os.environ.get("NOCTAYA_E2E") == "1"
     paths = set()
     for item in session.items:

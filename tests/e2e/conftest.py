@@ -5,7 +5,8 @@ happens on real clusters; KEDA's operator starts with the scale-from-zero tests.
 
 `make e2e` runs these; `make test` skips them (NOCTAYA_E2E unset) so the default suite stays short.
 Without Go, the shared/ copy of Metacontroller's source, or `unshare`, they skip with the reason.
-First builds (Go, cached outside the repository) are timed in docs/install.md.
+The programs are built before pytest by `python -m tests.setup e2e` (run by `make e2e`; first builds,
+cached outside the repository, are timed in docs/install.md), so no fixture builds under a timeout.
 """
 
 from __future__ import annotations

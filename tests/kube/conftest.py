@@ -1,8 +1,9 @@
 """Session fixtures: one real etcd + kube-apiserver for every test in tests/kube/.
 
-The first run builds the binaries (see tools/kube-testenv/build.sh); that happens in fixture
-setup, which the kube tests exclude from their per-test timeout (`func_only=True`) because the
-build has its own deadline. Without Go, or with NOCTAYA_SKIP_KUBE=1, the tests skip with the reason.
+The binaries are built before pytest starts, outside any per-test timeout, by the set-up step
+(`python -m tests.setup test`, run by `make test`; tests/conftest.py runs the same steps after
+collection when pytest is started directly); the fixtures then find them in the cache. Without Go,
+or with NOCTAYA_SKIP_KUBE=1, the tests skip with the reason.
 """
 
 from __future__ import annotations
