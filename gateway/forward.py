@@ -103,7 +103,9 @@ class ClientRelay:
                 return
             if not read_more(upstream, self.clock):
                 if response.content_length is None and not response.chunked:
-                    return  # close-delimited body: EOF is its end
+                    if chunked:  # close-delimited body: EOF is its end, which the client must see
+                        conn.send(LAST_CHUNK)
+                    return
                 raise UpstreamFailed("backend closed mid-body")
 
     def _failed_mid_body(self, conn: ClientConnection, response: ResponseHead, exc: UpstreamFailed,
@@ -141,8 +143,13 @@ class ClientRelay:
                     first = False
                     on_first_byte(conn, response.status)  # just before the caller writes them
                 yield from pieces
-                if parser.complete or not read_more(upstream, self.clock):
+                if parser.complete:
                     break
+                if not read_more(upstream, self.clock):
+                    if response.content_length is None and not response.chunked:
+                        break  # close-delimited body: EOF is its end
+                    upstream.close()
+                    raise UpstreamFailed("backend closed mid-body")
         except UpstreamFailed:
             yield sse_error_frame(ERRORS["backend_failure"])
             return

@@ -310,7 +310,9 @@ class ClientConnection:
     def expire(self) -> None:
         """The deadline passed: end the blocked read or write. A request that did not arrive in
         time is only shut for reading, so it can still be answered 408."""
-        if self.request_deadline <= self.clock():
+        # Only a read bounded by the request deadline (``_next_event``) ends in a 408: a blocked write
+        # (its deadline is the idle one) must be cut both ways, or it would stay blocked for good.
+        if self.deadline == self.request_deadline <= self.clock():
             self.timed_out = True
             how = std_socket.SHUT_RD
         else:

@@ -173,6 +173,8 @@ class ClientParser:
         self._header_bytes += len(name) + len(value) + 4
         if len(headers) > MAX_HEADERS or self._header_bytes > MAX_HEAD_BYTES:
             self._fail(431, "headers_too_large")
+        if not self.in_head:
+            return  # a chunked body's trailer: never merged into the head (RFC 9112 §7.1.2), dropped
         lower = name.lower()
         if lower not in _NOT_FORWARDED:
             head.forward.append(name + b": " + value)
