@@ -75,6 +75,7 @@ class ClientRelay:
         try:
             self._pump(conn, upstream, response, out, chunked, on_first_byte)
         except UpstreamFailed as exc:
+            upstream.close()  # mid-body: never pooled (a read failure has closed it already; EOF has not)
             return self._failed_mid_body(conn, response, exc, chunked, close)
         except ClientGone:
             upstream.close()

@@ -149,6 +149,8 @@ class GatewayApp:
 
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
+        if self.draining:
+            conn.keep_alive = False  # the connection closes after this answer: the answer says so
         path = head.path
         decision = route(head, path, admin=conn.admin, draining=self.draining, auth=self.auth,
                          max_body=self.config.max_body_bytes)

@@ -186,3 +186,21 @@ def test_backend_dying_inside_a_committed_cold_stream_sends_an_error_frame(backe
         rest = read_until(client, b"0\r\n\r\n", 15)
     assert b"chatcmpl-1" in rest  # the backend's first events were relayed
     assert b"event: error" in rest  # ... and its failure is told, not passed off as a clean end
+
+
+def test_answers_while_draining_say_the_connection_closes(backend, make_gateway) -> None:
+    # The gateway closes every connection after its answer once draining: a client must be told, or
+    # it sends its next request (a POST it may not retry) on a connection that is about to close.
+    backend.start()
+    gw = make_gateway(backend)
+    gw.call(lambda: setattr(gw.app, "draining", True))
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while True:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            reply += piece
+    head = reply.split(b"\r\n\r\n", 1)[0].lower()
+    assert reply.startswith(b"HTTP/1.1 503") and b"connection: close" in head
