@@ -47,6 +47,8 @@ ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gatew
 # of the activation being timed (0 = none) and the worker timing it.
 _HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT, _ACTIVATION_OWNER = range(4)
 
+LOCK_PATIENCE_SECONDS = 1.0  # see PodState._lock_after_a_death
+
 _ctx = multiprocessing.get_context("fork")
 
 
@@ -169,15 +171,29 @@ class PodState:
         tickets = int(cells[base + QUEUED] + cells[base + IN_FLIGHT])
         for _ in range(tickets):
             self._slots.release()
-        with self._lock:
+        self._lock_after_a_death()
+        try:
             held = cells[base + HELD]
-            cells[self._pod] -= held
             cells[base + HELD] = 0.0
+            # The total is the sum of the living rows, not total - held: a worker killed between its
+            # two stores (total, then its row) must not leave bytes counted that nobody holds.
+            cells[self._pod] = sum(cells[b + HELD] for b in self.rows())
             if cells[self._pod + _ACTIVATION_AT] and cells[self._pod + _ACTIVATION_OWNER] == index:
                 cells[self._pod + _ACTIVATION_AT] = 0.0
+        finally:
+            self._lock.release()
         for field in (QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, ALIVE):
             cells[base + field] = 0.0
         return tickets, int(held)
+
+    def _lock_after_a_death(self, patience: float = LOCK_PATIENCE_SECONDS) -> None:
+        """Take the Pod lock after a worker died. The lock is a semaphore, not a robust mutex: a
+        worker SIGKILLed inside one of its critical sections (a few stores, microseconds) would leave
+        it taken for good and freeze every worker. Held for ``patience`` seconds, it can only be the
+        dead worker's: give it back, then take it."""
+        if not self._lock.acquire(timeout=patience):
+            self._lock.release()
+            self._lock.acquire()
 
 
 class Row:

@@ -91,3 +91,23 @@ def test_sampler_publishes_the_sum_and_withdraws() -> None:
     assert broadcaster.current() == Demand(3, 3, True)
     sampler.withdraw()
     assert broadcaster.current() == Demand()
+
+
+def test_a_worker_killed_inside_the_pod_lock_does_not_freeze_the_pod() -> None:
+    # SIGKILL can land between a worker's lock acquire and release (and between its two stores):
+    # the supervisor's reclaim takes the lock back and recounts the held bytes from the living rows.
+    import time
+
+    pod = PodState(2, max_queue=10, max_held_bytes=1000)
+    assert pod.try_take_bytes(100, worker=0)
+    pid = os.fork()
+    if pid == 0:  # worker 1: takes the lock, stores half of an update, dies
+        pod._lock.acquire()
+        pod.cells[pod._pod] += 500
+        os.kill(os.getpid(), 9)
+    os.waitpid(pid, 0)
+    started = time.monotonic()
+    assert pod.reclaim(1) == (0, 0)
+    assert time.monotonic() - started < 5
+    assert pod.held_bytes == 100  # the dead worker's half-stored 500 is gone
+    assert pod.try_take_bytes(900, worker=0) and not pod.try_take_bytes(1, worker=0)
