@@ -312,6 +312,18 @@ class Cluster:
             "--zap-log-level=info", "--zap-encoder=console"], env)
         self._still_running("keda-operator", after=2.0)
 
+    def install_keda_crds(self) -> None:
+        """KEDA's CRDs from its pinned Go module, applied and Established (skips the test without them)."""
+        from tests.kube.conftest import crd_names, wait_established
+        from tests.third_party import module_crds
+
+        try:
+            keda = [p for p in module_crds() if p.name.startswith("keda.sh_")]
+        except ThirdPartyUnavailable as exc:
+            pytest.skip(str(exc))
+        self.kubectl("apply", "--server-side", *[a for p in keda for a in ("-f", str(p))])
+        wait_established(self.plane, crd_names(self.plane, *keda))
+
     def wait_api(self, what: str, check: Callable[[], bool], log: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -20,8 +20,6 @@ import yaml
 
 from tests.e2e.cluster import Cluster, Timeline
 from tests.e2e.test_lifecycle import RUNTIME, conditions
-from tests.kube.conftest import crd_names, wait_established
-from tests.third_party import ThirdPartyUnavailable, module_crds
 
 NS = "e2e-coldstart"
 NAME = "timed"
@@ -94,12 +92,7 @@ def kubelet_status(pod: dict[str, Any], base: datetime, step: str) -> dict[str, 
 
 def test_a_cold_start_shows_each_phase_live_and_keeps_its_breakdown_stable_across_resyncs(
         cluster: Cluster, timeline: Timeline) -> None:
-    try:
-        keda = [p for p in module_crds() if p.name.startswith("keda.sh_")]
-    except ThirdPartyUnavailable as exc:
-        pytest.skip(str(exc))
-    cluster.kubectl("apply", "--server-side", *[a for p in keda for a in ("-f", str(p))])
-    wait_established(cluster.plane, crd_names(cluster.plane, *keda))
+    cluster.install_keda_crds()
     # A runtime whose Pods need a node label no node has yet: the Pod waits in Scheduling until the
     # test adds it (a cluster with no free accelerator node, then the node autoscaler).
     runtime = yaml.safe_load(RUNTIME.read_text())

@@ -16,8 +16,6 @@ import pytest
 
 from tests.e2e.cluster import Cluster, Timeline
 from tests.e2e.test_lifecycle import RUNTIME, conditions
-from tests.kube.conftest import crd_names, wait_established
-from tests.third_party import ThirdPartyUnavailable, module_crds
 
 NS = "e2e-prewarm"
 NAME = "staged"
@@ -86,12 +84,7 @@ def test_the_backend_waits_for_the_prewarm_job_and_rolls_only_when_a_new_revisio
         cluster: Cluster, timeline: Timeline) -> None:
     if cluster.get("inferenceruntime", "llamacpp-cpu") is None:  # an earlier file may have made (and changed) it
         cluster.kubectl("apply", "--server-side", "-f", str(RUNTIME))
-    try:
-        keda = [p for p in module_crds() if p.name.startswith("keda.sh_")]
-    except ThirdPartyUnavailable as exc:
-        pytest.skip(str(exc))
-    cluster.kubectl("apply", "--server-side", *[a for p in keda for a in ("-f", str(p))])
-    wait_established(cluster.plane, crd_names(cluster.plane, *keda))
+    cluster.install_keda_crds()
     if cluster.get("namespace", NS) is None:
         cluster.kubectl("create", "namespace", NS)
 
@@ -191,12 +184,7 @@ def test_node_local_weights_pin_the_backend_to_their_node_and_a_lost_node_is_nam
     pinned there and runs there, not on the other GPU node whose cache is empty. Then that node is
     deleted: the replacement backend Pod cannot be scheduled, and the LLMService says which node holds
     the weights well within a minute; the pin holds after the Pod GC removed the Job's Pod."""
-    try:
-        keda = [p for p in module_crds() if p.name.startswith("keda.sh_")]
-    except ThirdPartyUnavailable as exc:
-        pytest.skip(str(exc))
-    cluster.kubectl("apply", "--server-side", *[a for p in keda for a in ("-f", str(p))])
-    wait_established(cluster.plane, crd_names(cluster.plane, *keda))
+    cluster.install_keda_crds()
     taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
     for node in GPU_NODES:
         cluster.add_node(node, gpus=2, labels={POOL: "delivery"}, taints=taint)
