@@ -15,7 +15,8 @@ from urllib.parse import unquote
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.wire import RequestHead
 
-__all__ = ["Route", "route", "has_dot_segment", "is_models_path", "is_json", "inspect_cold_body", "MAX_JSON_DEPTH"]
+__all__ = ["Route", "route", "has_dot_segment", "is_models_path", "is_json", "inspect_cold_body", "MAX_JSON_DEPTH",
+           "InvalidJSON"]
 
 # OpenAI bodies nest a handful of levels; a tool's or response format's JSON schema adds two per
 # nested property (about 25 for ten nested objects). 64 leaves room for any real request while the
@@ -102,5 +103,3 @@ def inspect_cold_body(head: RequestHead, body: bytes) -> bool:
         return False
     return inspect_json_body(body, max_depth=MAX_JSON_DEPTH).stream
 
-
-__all__ += ["InvalidJSON"]

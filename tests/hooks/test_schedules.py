@@ -37,6 +37,18 @@ def cron_triggers(svc: dict[str, Any]) -> list[dict[str, Any]]:
     return [t for t in so["spec"]["triggers"] if t["type"] == "cron"]
 
 
+def _refused(bad: dict[str, Any], message: str) -> tuple[dict[str, Any], int, int]:
+    """The model refuses the window with ``message``; then the sync hook answers a service that had
+    valid children: its Ready condition, how many children it kept, and how many there were."""
+    svc = service(bad)
+    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
+        LLMService.model_validate(svc)
+    good = sync(h.sync_request(service(window())), h.config())["children"]
+    answer = sync(h.sync_request(svc, children=h.observe_all(good)), h.config())
+    ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+    return ready, len(answer["children"]), len(good)
+
+
 @pytest.mark.parametrize("expr", ["0 8 * * MON-FRI", "*/15 9-17 * * 1-5", "5/10 0-23/2 1,15 jan-DEC sun", "0 0 1 1 ?",
                                   "59 23 31 12 6", "00 08 * * *"])
 def test_expressions_keda_accepts_are_accepted(expr: str) -> None:
@@ -159,15 +171,10 @@ def test_the_autoscaling_condition_says_when_windows_open() -> None:
     (window(replicas=4), "scaling.schedules[].replicas must not exceed scaling.max"),
 ])
 def test_bad_windows_are_refused_and_the_hook_keeps_every_child(bad: dict[str, Any], message: str) -> None:
-    svc = service(bad)
-    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
-        LLMService.model_validate(svc)
     # What CEL cannot check reaches the hook: Ready=False InvalidSpec with the same words, children kept.
-    good = sync(h.sync_request(service(window())), h.config())["children"]
-    answer = sync(h.sync_request(svc, children=h.observe_all(good)), h.config())
-    ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+    ready, kept, good = _refused(bad, message)
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec" and message in ready["message"]
-    assert len(answer["children"]) == len(good)
+    assert kept == good
 
 
 def test_eight_windows_are_the_limit() -> None:
@@ -223,14 +230,9 @@ def test_lead_time_and_replicas_at_their_limits_are_accepted() -> None:
      "would open 61m early instead; no lead avoids it"),
 ])
 def test_windows_keda_would_open_at_other_times_are_refused_saying_when_and_why(bad: dict[str, Any], message: str) -> None:
-    svc = service(bad)
-    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
-        LLMService.model_validate(svc)
-    good = sync(h.sync_request(service(window())), h.config())["children"]
-    answer = sync(h.sync_request(svc, children=h.observe_all(good)), h.config())
-    ready = next(c for c in answer["status"]["conditions"] if c["type"] == "Ready")
+    ready, kept, good = _refused(bad, message)
     assert ready["reason"] == "InvalidSpec" and "spec.scaling.schedules.0" in ready["message"]
-    assert len(answer["children"]) == len(good)
+    assert kept == good
 
 
 def test_an_auto_lead_is_held_where_the_early_start_would_fall_in_a_clock_change() -> None:
