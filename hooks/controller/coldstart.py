@@ -253,6 +253,13 @@ def _now(desired_replicas: int | None, pods: list[dict[str, Any]], previous: dic
     return service_phase(desired_replicas, pods, warm=previous.get("phase") in WARM)
 
 
+class Missing:
+    """Marks an argument not given (None is a valid record: there is none)."""
+
+
+MISSING = Missing()
+
+
 def record(desired_replicas: int | None, pods: list[dict[str, Any]], previous_status: Any) -> dict[str, Any] | None:
     """The `lastColdStart` a sync of this world writes: the previous one, unless a cold start happened
     (the previous phase was cold and now a Pod not yet recorded is Ready): then that Pod's start."""
@@ -272,8 +279,10 @@ def timeline(
     pods: list[dict[str, Any]],
     previous_status: Any,
     clock: Callable[[], str],
+    last: dict[str, Any] | None | Missing = MISSING,
 ) -> dict[str, Any]:
-    """`phase`, `phaseSince` and `lastColdStart` for the status (keys absent when unknown)."""
+    """`phase`, `phaseSince` and `lastColdStart` for the status (keys absent when unknown). ``last``:
+    the :func:`record` of these same arguments when the caller already has it."""
     previous = _as_dict(previous_status)
     out: dict[str, Any] = {}
     now = _now(desired_replicas, pods, previous)
@@ -289,7 +298,8 @@ def timeline(
             since = kept if same else clock()
         out["phase"] = str(now.phase)
         out["phaseSince"] = since
-    last = record(desired_replicas, pods, previous)
+    if isinstance(last, Missing):
+        last = record(desired_replicas, pods, previous)
     if last is not None:
         out["lastColdStart"] = last
     return out

@@ -36,6 +36,7 @@ class Outcome:
     conditions: dict[ConditionType, st.Cond] = field(default_factory=dict)
     runtime: str | None = None
     backend_failures: list[tuple[Reason | str, str]] = field(default_factory=list)
+    cold_start: dict[str, Any] | None = None  # the lastColdStart this sync writes (computed once)
 
     def put(self, cond: st.Cond) -> None:
         self.conditions[cond.type] = cond
@@ -132,9 +133,8 @@ def plan_children(
     if keda and not blocked:
         out.children.append(backend.deployment(ctx, mount, observed_backend, prewarm.weights_annotations(ctx, node)))
     else:
-        existing = observed_deployment(observed, names.backend(name))
-        if existing is not None:
-            out.children.append(obs.kept(existing))
+        if observed_backend is not None:
+            out.children.append(obs.kept(observed_backend))
     out.children.append(backend.service(ctx))
 
     cache_cond = st.Cond(ConditionType.CACHE_READY, cache_plan.status, cache_plan.reason, cache_plan.message)
@@ -298,6 +298,9 @@ def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, volume: dict[str, 
 
 def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -> Outcome:
     out = Outcome()
+    # The record this sync writes, whatever else it decides (build_status writes it as it is).
+    out.cold_start = coldstart.record(_backend_replicas(observed, str((parent.get("metadata") or {}).get("name"))),
+                                      observed.live_pods(), parent.get("status"))
     service, error = parse_service(parent)
     if service is None:
         _invalid(out, parent, observed, error)
@@ -348,8 +351,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         uid=str((parent.get("metadata") or {}).get("uid") or ""),
         # The record this sync writes (a cold start that just happened included): the windows
         # `leadTime: auto` opens and the record land in one status write.
-        measured_cold_start=coldstart.total_seconds(coldstart.record(
-            _backend_replicas(observed, name), observed.live_pods(), parent.get("status"))),
+        measured_cold_start=coldstart.total_seconds(out.cold_start),
     )
     plan_children(ctx, observed, out, keda, missing)
 
@@ -407,7 +409,7 @@ def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, c
     status["replicas"] = current
     status["readyReplicas"] = ready
     status.update(coldstart.timeline(None if deployment is None else desired, observed.live_pods(), parent.get("status"),
-                                     config.clock))
+                                     config.clock, out.cold_start))
     status["conditions"] = st.wire_conditions(out.conditions.values(), parent.get("status"), generation, config.clock)
     return status
 
