@@ -206,7 +206,7 @@ def decide(pool: PoolView, handles: set[str], pods: list[Pod], models: list[Mode
             continue
         _, node_name, chosen = best
         room[node_name] -= w.units  # these units are spoken for, whoever frees them
-        if not chosen:
+        if not chosen and not mine:  # free already, not by a promise of this pool's
             decision.scheduling.append(w.key)
         for m, held in chosen:
             used.add(m.scaled_object)
