@@ -278,11 +278,13 @@ class Cluster:
         self._still_running("kwok", after=0.5)
         self.add_node(node)
 
-    def add_node(self, node: str, *, gpus: int = 0, labels: dict[str, str] | None = None,
+    def add_node(self, node: str, *, gpus: int = 0, amd_gpus: int = 0, labels: dict[str, str] | None = None,
                  taints: list[dict[str, str]] | None = None) -> None:
         """One more fake node played by kwok, Ready on return; with ``gpus`` it offers that many
-        ``nvidia.com/gpu`` (kwok-stages.yaml reads the annotation). Delete it with ``kubectl delete node``."""
-        annotations = {"kwok.x-k8s.io/node": "fake", **({"e2e.noctaya.io/gpus": str(gpus)} if gpus else {})}
+        ``nvidia.com/gpu``, with ``amd_gpus`` that many ``amd.com/gpu`` (kwok-stages.yaml reads the
+        annotations). Delete it with ``kubectl delete node``."""
+        annotations = {"kwok.x-k8s.io/node": "fake", **({"e2e.noctaya.io/gpus": str(gpus)} if gpus else {}),
+                       **({"e2e.noctaya.io/amd-gpus": str(amd_gpus)} if amd_gpus else {})}
         body: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": node, "annotations": annotations,
@@ -295,7 +297,10 @@ class Cluster:
 
     def start_keda(self, operator: Path) -> None:
         """KEDA's operator (ScaledObject controller, scale 0↔1, the HPA for 1↔N), as the admin: KEDA's
-        own RBAC is KEDA's install, not Noctaya's. It dials the scalers by their Service names."""
+        own RBAC is KEDA's install, not Noctaya's. It dials the scalers by their Service names. Once per
+        suite: a second call (another file's fixture) finds it running and returns."""
+        if "keda-operator" in self._procs:
+            return
         certs = self.workdir / "keda-certs"
         certs.mkdir()
         _self_signed(certs, "keda-operator.keda.svc")
