@@ -34,7 +34,7 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from hooks.errors import InvalidHookRequest
-from hooks.metrics import HookMetrics
+from hooks.metrics import POOL_SYNC_HOOK, HookMetrics
 from scaler.secretfiles import read_secret_file
 
 logger = logging.getLogger("noctaya.hooks")
@@ -75,6 +75,8 @@ HOOK_ROUTES: tuple[HookRoute, ...] = (
     HookRoute(
         "/v1/inferenceruntime/sync", "inferenceruntime_sync", "hooks.controller.runtime_status", "sync"
     ),
+    HookRoute("/v1/acceleratorpool/customize", "acceleratorpool_customize", "hooks.controller.pool", "customize"),
+    HookRoute("/v1/acceleratorpool/sync", "acceleratorpool_sync", "hooks.controller.pool", "sync"),
 )
 ROUTES_BY_PATH: dict[str, HookRoute] = {route.path: route for route in HOOK_ROUTES}
 
@@ -307,6 +309,8 @@ def create_app(
                 return error_response(
                     500, "internal", f"internal error in hook {route.name}; see hook server log"
                 )
+            if route.name == POOL_SYNC_HOOK:
+                hook_metrics.observe_pool_sync(hook_request, result)
             etag = etag_for(body)
             if request.if_none_match.contains_weak(etag.strip('"')):
                 not_modified = Response(status=304)

@@ -2,29 +2,53 @@
 
 Labels are bounded on purpose: the hook name comes from the fixed route table and the error kind
 from :data:`ERROR_KINDS`. Nothing from a request (object names, namespaces, messages) ever becomes
-a label, so a cluster with ten thousand LLMServices still exports a handful of series.
+a label, so a cluster with ten thousand LLMServices still exports a handful of series. The one
+exception is the ``pool`` label of the AcceleratorPool series (:meth:`HookMetrics.observe_pool`):
+pools are cluster-scoped objects an administrator creates, one per accelerator kind, and each
+process tracks at most :data:`MAX_TRACKED_POOLS` of them.
 
 Under gunicorn with several worker processes each worker has its own memory, so `python -m hooks
 serve` runs prometheus-client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``): every worker
 writes its values to shared files and ``/metrics``, whichever worker answers it, aggregates all of
 them. Without that variable (tests, the benchmark) the metrics live in a private registry.
+
+The pool gauges use multiprocess mode ``mostrecent``: whichever worker answered a pool's latest
+sync holds the truth, so the scrape reports the value written last (by wall-clock time of the
+write), not a sum or a maximum over workers. A worker that died keeps its last values in its file;
+under ``mostrecent`` that is right (the newest write still wins). prometheus-client cannot remove a
+series in multiprocess mode, so the series of a deleted pool stay, frozen at their last value,
+until the hook server restarts (``serve`` wipes the directory at start); a passive controller
+without a finalize hook never hears of the deletion anyway.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
     multiprocess,
 )
 
+logger = logging.getLogger("noctaya.hooks")
+
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# The route whose successful answers feed the pool series (hooks.app calls observe_pool_sync).
+POOL_SYNC_HOOK = "acceleratorpool_sync"
+# Pools are few (one per accelerator kind, maybe per node group); this only stops a runaway script
+# that creates thousands from growing the series without bound. Beyond it a new pool is not
+# tracked (logged once per process); its status still says everything.
+MAX_TRACKED_POOLS = 64
 
 # A sync for a big multi-gateway LLMService takes around a millisecond in-process; the buckets
 # resolve that range and still cover a pathological multi-second call under Metacontroller's 10 s
@@ -51,7 +75,8 @@ def error_kind_for_status(status_code: int) -> str | None:
 
 
 class HookMetrics:
-    """Latency histogram per hook and error counter per (hook, kind)."""
+    """Latency histogram per hook and error counter per (hook, kind); per AcceleratorPool, what its
+    last sync answered (waiters, yields, capacity) and how many yields it started."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # A private registry per app keeps several apps (tests) from colliding on the global one.
@@ -69,6 +94,45 @@ class HookMetrics:
             ["hook", "kind"],
             registry=self.registry,
         )
+        self.pool_waiting = Gauge(
+            "noctaya_pool_waiting",
+            "Backend Pods waiting for the pool's resource (len of status.waiting) in the pool's last sync answer.",
+            ["pool"],
+            multiprocess_mode="mostrecent",
+            registry=self.registry,
+        )
+        self.pool_yielding = Gauge(
+            "noctaya_pool_yielding",
+            "Yields in progress (len of status.yielding) in the pool's last sync answer.",
+            ["pool"],
+            multiprocess_mode="mostrecent",
+            registry=self.registry,
+        )
+        self.pool_capacity_units = Gauge(
+            "noctaya_pool_capacity_units",
+            "Allocatable units of the pool's resource on its nodes (status.capacity.units; 0 when unknown).",
+            ["pool"],
+            multiprocess_mode="mostrecent",
+            registry=self.registry,
+        )
+        self.pool_last_sync = Gauge(
+            "noctaya_pool_last_sync_timestamp_seconds",
+            "When this hook server last answered the pool's sync (Unix time): with several hook server "
+            "replicas, the replica with the newest value has the current pool gauges.",
+            ["pool"],
+            multiprocess_mode="mostrecent",
+            registry=self.registry,
+        )
+        self.pool_yields = Counter(
+            "noctaya_pool_yields",
+            "Yields the pool started: entries of an answer's status.yielding whose (scaledObject, for) pair "
+            "was not in the request's status.yielding.",
+            ["pool"],
+            registry=self.registry,
+        )
+        self._pools: set[str] = set()
+        self._untracked_logged: set[str] = set()
+        self._pools_lock = threading.Lock()
 
     def prime(self, hook_names: Iterable[str]) -> None:
         """Create every series at zero so dashboards and rate() see them before the first error."""
@@ -83,6 +147,57 @@ class HookMetrics:
         if kind is not None:
             self.errors.labels(hook=hook, kind=kind).inc()
 
+    def _track(self, pool: str) -> bool:
+        with self._pools_lock:
+            if pool in self._pools:
+                return True
+            if len(self._pools) >= MAX_TRACKED_POOLS:
+                return False
+            self._pools.add(pool)
+            return True
+
+    def observe_pool(self, pool: str, before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> None:
+        """Record one successful pool sync: ``before`` is the request's ``parent.status``, ``after``
+        the answer's ``status`` (either may be missing or partial).
+
+        The yield counter counts what the answer adds over the request. If Metacontroller sends a
+        status older than one already answered (its informer had not yet seen the last write, or a
+        write conflict is retried), a yield it had already counted is counted again: the counter is an
+        upper bound, right for rates and trends, not an exact ledger. The status is the ledger.
+        """
+        if not self._track(pool):
+            if pool not in self._untracked_logged:
+                self._untracked_logged.add(pool)
+                logger.warning("more than %d AcceleratorPools: pool %s has no metrics", MAX_TRACKED_POOLS, pool)
+            return
+        after = after if isinstance(after, Mapping) else {}
+        yielding = _entries(after.get("yielding"))
+        capacity = after.get("capacity")
+        units = capacity.get("units") if isinstance(capacity, Mapping) else None
+        self.pool_waiting.labels(pool=pool).set(len(_entries(after.get("waiting"))))
+        self.pool_yielding.labels(pool=pool).set(len(yielding))
+        self.pool_capacity_units.labels(pool=pool).set(units if isinstance(units, int | float) else 0)
+        self.pool_last_sync.labels(pool=pool).set_to_current_time()
+        started = _yield_keys(yielding) - _yield_keys(_entries((before or {}).get("yielding")))
+        counter = self.pool_yields.labels(pool=pool)
+        if started:
+            counter.inc(len(started))
+
+    def observe_pool_sync(self, request: Mapping[str, Any], answer: Mapping[str, Any]) -> None:
+        """:meth:`observe_pool` for a pool sync request and its answer; never raises (metrics must
+        not turn a good answer into an error)."""
+        try:
+            parent = request.get("parent")
+            if not isinstance(parent, Mapping):
+                return
+            name = (parent.get("metadata") or {}).get("name")
+            if not isinstance(name, str) or not name:
+                return
+            before = parent.get("status")
+            self.observe_pool(name, before if isinstance(before, Mapping) else None, answer.get("status"))
+        except Exception:  # pragma: no cover - defensive: a malformed answer is the hook's bug, not ours
+            logger.exception("could not record pool metrics")
+
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition (body, content type) of all workers' metrics."""
         if os.environ.get(MULTIPROC_DIR_ENV):
@@ -92,3 +207,12 @@ class HookMetrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _entries(value: Any) -> list[Mapping[str, Any]]:
+    return [e for e in value if isinstance(e, Mapping)] if isinstance(value, list) else []
+
+
+def _yield_keys(entries: list[Mapping[str, Any]]) -> set[tuple[str, str]]:
+    """A yield's identity: which ScaledObject frees units for which waiting Pod."""
+    return {(str(e.get("scaledObject")), str(e.get("for"))) for e in entries}
