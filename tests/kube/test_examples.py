@@ -111,6 +111,7 @@ def exported_metric_names() -> set[str]:
     gateway.ttfb.observe(0.1)
     hooks = HookMetrics()
     hooks.prime(["llmservice_sync"])
+    hooks.observe_pool("example", None, {"yielding": [{"scaledObject": "ns/a-backend", "for": "ns/c-backend-0"}]})
     names: set[str] = set()
     for registry in (gateway.registry, hooks.registry):
         for family in text_string_to_metric_families(generate_latest(registry).decode()):

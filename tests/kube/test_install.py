@@ -28,7 +28,8 @@ def get_json(kube: ControlPlane, *args: str) -> dict[str, Any]:
 
 
 def test_noctaya_crds_are_established_and_structural(kube: ControlPlane, noctaya_crds: list[str]) -> None:
-    assert sorted(noctaya_crds) == ["inferenceruntimes.serving.noctaya.io", "llmservices.serving.noctaya.io"]
+    assert sorted(noctaya_crds) == ["acceleratorpools.serving.noctaya.io", "inferenceruntimes.serving.noctaya.io",
+                                    "llmservices.serving.noctaya.io"]
     for name in noctaya_crds:
         crd = get_json(kube, "crd", name)
         conditions = {c["type"]: c for c in crd["status"]["conditions"]}
@@ -49,6 +50,8 @@ def test_metacontroller_kustomization_installs_everything(installed: ControlPlan
         "customresourcedefinition.apiextensions.k8s.io/inferenceruntimes.serving.noctaya.io",
         "compositecontroller.metacontroller.k8s.io/noctaya-llmservice",
         "compositecontroller.metacontroller.k8s.io/noctaya-inferenceruntime",
+        "compositecontroller.metacontroller.k8s.io/noctaya-acceleratorpool",
+        "customresourcedefinition.apiextensions.k8s.io/acceleratorpools.serving.noctaya.io",
         "decoratorcontroller.metacontroller.k8s.io/noctaya-llmservice-autoscaling",
         "deployment.apps/noctaya-hooks",
         "service/noctaya-hooks",
@@ -186,6 +189,8 @@ METACONTROLLER_NEEDS = [
     ("watch", "customresourcedefinitions.apiextensions.k8s.io"),
     ("watch", "namespaces"),
     ("create", "events"),
+    ("watch", "nodes"),
+    ("watch", "acceleratorpools.serving.noctaya.io"),
 ]
 
 
