@@ -16,6 +16,7 @@ from hooks.api.common import (
     ApiModel,
     CRDInfo,
     DNSLabel,
+    DNSSubdomain,
     Duration,
     EnvVar,
     LabelSelector,
@@ -327,6 +328,14 @@ class Scaling(ApiModel):
         default="5m", description="Idle time before scaling back to min (KEDA cooldownPeriod and HPA scale-down window)."
     )
     polling_interval: Duration = Field(default="5s", description="How often KEDA polls the scaler.")
+    yield_policy: Literal["WhenIdle", "Never"] = Field(
+        default="WhenIdle",
+        description="Whether this model, while idle, may give its accelerators to a cold model through an "
+        "AcceleratorPool. WhenIdle: when a pool lists this model as yielding, its ScaledObject gets the pool's short "
+        "cooldownPeriod, so KEDA scales it in once it has been idle for the pool's yieldAfter (KEDA asks the "
+        "gateway right before, so a busy model is never scaled in). Never: no pool ever picks it. A model with "
+        "scaling.min >= 1, or inside an open warm window, is never picked either way.",
+    )
     triggers: list[LeadingSignalTrigger] = Field(
         default_factory=list, max_length=8, description="Leading-signal triggers for 1→N, OR-combined with demand."
     )
@@ -471,6 +480,19 @@ class ScalerTLS(ApiModel):
     )
 
 
+class Scheduling(ApiModel):
+    """Scheduling of this model's backend Pods, over the runtime's `scheduling`."""
+
+    priority_class_name: DNSSubdomain | None = Field(
+        default=None,
+        description="PriorityClass of the backend Pods; overrides the runtime's scheduling.priorityClassName. "
+        "Caveats: a higher priority lets the scheduler preempt lower-priority Pods whether they are busy or idle "
+        "(their in-flight requests only survive through the drain), equal priorities never preempt each other, "
+        "and a Pod's priority is fixed when it is created (a change rolls the backend). To let idle models give "
+        "accelerators to cold ones, use an AcceleratorPool (scaling.yieldPolicy) instead.",
+    )
+
+
 class LLMServiceSpec(ApiModel):
     """Desired state of one served model."""
 
@@ -478,6 +500,10 @@ class LLMServiceSpec(ApiModel):
     runtime: RuntimeRef = Field(description="The InferenceRuntime that runs the model.")
     resources: BackendResources = Field(default_factory=BackendResources, description="Backend Pod resources.")
     scaling: Scaling = Field(default_factory=Scaling, description="Replica bounds, activation and cooldown timings.")
+    scheduling: Scheduling | None = Field(
+        default=None,
+        description="Scheduling of this model's backend Pods; what is set here overrides the runtime's scheduling.",
+    )
     cache: Cache = Field(default_factory=Cache, description="Model cache and prewarm.")
     endpoint: Endpoint = Field(default_factory=Endpoint, description="The gateway: admission, cold mode, auth, Service.")
     scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler, and TLS for gateway → aggregate scaler reports.")

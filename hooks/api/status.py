@@ -35,6 +35,7 @@ class Reason(StrEnum):
     PREWARM_RUNNING = "PrewarmRunning"
     # failures of the backend
     UNSCHEDULABLE = "Unschedulable"
+    WAITING_FOR_ACCELERATOR = "WaitingForAccelerator"  # unschedulable, and an AcceleratorPool lists the Pod as waiting
     IMAGE_PULL_FAILED = "ImagePullFailed"
     CRASH_LOOP = "CrashLoop"
     OOM_KILLED = "OOMKilled"

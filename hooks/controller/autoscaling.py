@@ -4,6 +4,11 @@ It is a separate controller because a child type whose CRD is missing stops a wh
 CompositeController; this one simply waits until KEDA is installed. It never returns `status`, so
 the CompositeController's status is left alone. Like sync, it is never destructive: when the spec
 or runtime is unusable the observed ScaledObject is kept as it is.
+
+While an AcceleratorPool lists this model's ScaledObject as yielding (its `status.yielding`), the
+ScaledObject gets the pool's short cooldownPeriod: KEDA then scales the model in once it has been
+idle that long — asking its gateway first, so a busy model never is — and the waiting model gets the
+accelerators. When the entry is gone the model's own cooldown is back.
 """
 
 from __future__ import annotations
@@ -13,18 +18,39 @@ from typing import Any
 from hooks.config import HookConfig, resolve
 from hooks.controller import coldstart
 from hooks.controller import observe as obs
-from hooks.controller.customize import runtime_rule
+from hooks.controller.customize import POOL_RULE, runtime_rule
+from hooks.controller.status import POOL_GROUP
 from hooks.controller.sync import namespace_of, parse_service, resolve_runtime
-from hooks.resources import autoscaling
+from hooks.resources import autoscaling, names
 from hooks.resources.context import RenderContext
 
 
 def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
-    """Related objects of the decorator: only the runtime (its metrics gauges feed leading signals)."""
+    """Related objects of the decorator: the runtime (its metrics gauges feed leading signals) and every
+    AcceleratorPool (whose status says when this model yields; see customize.POOL_RULE)."""
     parent = obs.require_object(request, "parent" if "parent" in request else "object")
     spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
     rule = runtime_rule(spec)
-    return {"relatedResources": [rule] if rule is not None else []}
+    return {"relatedResources": [*([rule] if rule is not None else []), dict(POOL_RULE)]}
+
+
+def _cooldown(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def yield_cooldown(pools: list[dict[str, Any]], scaled_object: str) -> int | None:
+    """The shortest cooldownSeconds any pool's `status.yielding` gives this ScaledObject (namespace/name),
+    or None when no pool lists it. Entries of the wrong shape are ignored."""
+    found: list[int] = []
+    for pool in pools:
+        status = pool.get("status")
+        entries = status.get("yielding") if isinstance(status, dict) else None
+        for entry in entries if isinstance(entries, list) else []:
+            if isinstance(entry, dict) and entry.get("scaledObject") == scaled_object:
+                seconds = _cooldown(entry.get("cooldownSeconds"))
+                if seconds is not None:
+                    found.append(seconds)
+    return min(found) if found else None
 
 
 def desired_scaled_object(obj: dict[str, Any], observed: obs.Observed, config: HookConfig) -> dict[str, Any] | None:
@@ -35,9 +61,11 @@ def desired_scaled_object(obj: dict[str, Any], observed: obs.Observed, config: H
     resolution = resolve_runtime(service, observed)
     if resolution.runtime is None:
         return None
-    ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace_of(obj), config=config,
+    namespace = namespace_of(obj)
+    ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace, config=config,
                         measured_cold_start=coldstart.measured_total(obj))
-    return autoscaling.scaled_object(ctx).scaled_object
+    yielding = yield_cooldown(observed.related_objects(POOL_GROUP), f"{namespace}/{names.scaled_object(ctx.name)}")
+    return autoscaling.scaled_object(ctx, yield_cooldown=yielding).scaled_object
 
 
 def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Metacontroller caches the answer per (parent UID, generation), so it depends on the spec only —
 read here from the raw object, so even an invalid spec still gets its runtime and Pods observed
 (its sync must keep children and explain). A rule never combines `names` with a selector, and
-never carries an empty selector (that would match everything).
+never carries an empty selector (that would match everything) — except POOL_RULE, where
+everything is what it asks for.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ from hooks.api.common import API_VERSION
 from hooks.config import HookConfig
 from hooks.controller import observe as obs
 from hooks.resources import labels
+
+# Every AcceleratorPool. The empty selector is deliberate: Metacontroller turns `{}` into
+# labels.Everything, and pools are cluster-scoped, few, and carry no label naming the models they
+# concern — any pool's status may list this model as waiting or yielding. (Without any selector the
+# rule would still list everything, but `{}` says so.) Both LLMService controllers relate them: the
+# decorator shortens a yielding model's cooldown, the main controller explains waiting and yielding in
+# BackendReady. A pool's status changes only when its decision does, so this costs a resync of every
+# LLMService per pool decision, not per Pod event.
+POOL_RULE: dict[str, Any] = {"apiVersion": API_VERSION, "resource": "acceleratorpools", "labelSelector": {}}
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -74,6 +84,7 @@ def related_rules(parent: dict[str, Any]) -> list[dict[str, Any]]:
             "labelSelector": {"matchLabels": {labels.LLMSERVICE: labels.label_value(meta["name"])}},
         }
     )
+    rules.append(dict(POOL_RULE))
     return rules
 
 

@@ -8,8 +8,8 @@ another sync, so a status that differs on every call would loop forever.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hooks.api.status import ConditionType, Reason
@@ -41,6 +41,7 @@ FAILURE_SEVERITY = (
     Reason.CRASH_LOOP,
     WEIGHTS_NODE_UNAVAILABLE,
     Reason.UNSCHEDULABLE,
+    Reason.WAITING_FOR_ACCELERATOR,  # unschedulable too, but a pool is freeing (or looking for) room
     Reason.REPEATED_TERMINATION,
     Reason.PROGRESS_DEADLINE_EXCEEDED,
     Reason.SECRET_NOT_FOUND,
@@ -77,8 +78,9 @@ def _int(value: Any, default: int = 0) -> int:
 # --- backend ------------------------------------------------------------------------------------
 
 
-def pod_failures(pod: dict[str, Any]) -> list[tuple[Reason, str]]:
-    """Why one backend Pod cannot serve, from its status (empty when nothing is wrong yet)."""
+def pod_failures(pod: dict[str, Any], waiting: Mapping[str, str] | None = None) -> list[tuple[Reason, str]]:
+    """Why one backend Pod cannot serve, from its status (empty when nothing is wrong yet). `waiting`:
+    what AcceleratorPools say about their waiting Pods, by `namespace/name` (PoolNotes.waiting)."""
     if is_over(pod):
         return []  # draining on purpose, or a leftover (evicted, failed) that pod GC will remove
     name = _name(pod)
@@ -86,7 +88,11 @@ def pod_failures(pod: dict[str, Any]) -> list[tuple[Reason, str]]:
     found: list[tuple[Reason, str]] = []
     for cond in status.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-            found.append((Reason.UNSCHEDULABLE, f"pod {name} cannot be scheduled: {cond.get('message') or 'no node fits'}"))
+            pool_says = (waiting or {}).get(f"{(pod.get('metadata') or {}).get('namespace')}/{name}")
+            if pool_says is not None:
+                found.append((Reason.WAITING_FOR_ACCELERATOR, f"pod {name} is {pool_says}"))
+            else:
+                found.append((Reason.UNSCHEDULABLE, f"pod {name} cannot be scheduled: {cond.get('message') or 'no node fits'}"))
     for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
         container = cs.get("name", "?")
         state = cs.get("state") or {}
@@ -180,9 +186,28 @@ def backend_condition(
     not_created_reason: Reason | str = Reason.PROGRESSING,
     not_created_message: str = "backend Deployment not created yet",
     extra_failures: Iterable[tuple[Reason | str, str]] = (),
+    pools: PoolNotes | None = None,
+) -> Cond:
+    """BackendReady; with `pools`, a Pod a pool lists as waiting says so, and a model that yields its
+    accelerators says to whom."""
+    cond = _backend_condition(deployment, pods, not_created_reason, not_created_message, extra_failures,
+                              pools.waiting if pools is not None else {})
+    if pools is not None and pools.yielding:
+        cond = Cond(cond.type, cond.status, cond.reason,
+                    short(f"{cond.message}; yielding its accelerator to {', '.join(pools.yielding)}"))
+    return cond
+
+
+def _backend_condition(
+    deployment: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    not_created_reason: Reason | str,
+    not_created_message: str,
+    extra_failures: Iterable[tuple[Reason | str, str]],
+    waiting: Mapping[str, str],
 ) -> Cond:
     t = ConditionType.BACKEND_READY
-    failures = [f for p in pods for f in pod_failures(p)] + list(extra_failures)
+    failures = [f for p in pods for f in pod_failures(p, waiting)] + list(extra_failures)
     if deployment is not None:
         exceeded = _deadline_exceeded(deployment)
         if exceeded:
@@ -198,6 +223,73 @@ def backend_condition(
     if ready >= 1:
         return Cond(t, "True", Reason.READY, f"{ready}/{desired} backend replicas ready")
     return Cond(t, "False", Reason.ACTIVATING, f"0/{desired} backend replicas ready (starting or loading the model)")
+
+
+# --- accelerator pools --------------------------------------------------------------------------
+
+# The related group of every AcceleratorPool (cluster-scoped), as both LLMService controllers relate them.
+POOL_GROUP = "AcceleratorPool.serving.noctaya.io/v1alpha1"
+
+
+@dataclass(frozen=True)
+class PoolNotes:
+    """What the AcceleratorPools' status says about one LLMService. Read defensively: a pool status of the
+    wrong shape (or a foreign writer's) is skipped entry by entry, never a failed sync."""
+
+    waiting: dict[str, str] = field(default_factory=dict)  # its waiting backend Pod (namespace/name) → why
+    yielding: tuple[str, ...] = ()  # "namespace/waiter (pool P)": whom its accelerators are promised to
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _listing(names: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def pool_notes(pools: Iterable[Any], namespace: str, scaled_object: str) -> PoolNotes:
+    """Which of this namespace's backend Pods the pools list as waiting (and what they wait on), and which
+    waiters this LLMService's ScaledObject (`scaled_object`, its name) yields to. Stable text only: the
+    pools' status changes only when their decision does."""
+    me = f"{namespace}/{scaled_object}"
+    waiting: dict[str, str] = {}
+    yielding: list[str] = []
+    for pool in sorted((p for p in pools if isinstance(p, dict)), key=_name):
+        name = _name(pool)
+        status = _as_dict(pool.get("status"))
+        resource = _text(_as_dict(pool.get("spec")).get("resourceName"))
+        where = f"pool {name}, {resource}" if resource else f"pool {name}"
+        waiters = [w for w in _as_list(status.get("waiting")) if isinstance(w, dict) and _text(w.get("pod"))]
+        yields = [y for y in _as_list(status.get("yielding")) if isinstance(y, dict) and _text(y.get("for"))]
+        contended = next((c for c in _as_list(status.get("conditions"))
+                          if isinstance(c, dict) and c.get("type") == "Contended"), {})
+        for w in waiters:
+            pod = w["pod"]
+            if not pod.startswith(f"{namespace}/") or pod in waiting:
+                continue
+            victims = sorted({_text(y.get("service")) for y in yields if y["for"] == pod} - {""})
+            if victims:
+                why = f"{_listing(victims)} {'is' if len(victims) == 1 else 'are'} yielding"
+            else:
+                why = _text(contended.get("message")) or _text(contended.get("reason")) or "no model is yielding yet"
+            waiting[pod] = f"waiting for an accelerator ({where}): {why}"
+        service_of = {w["pod"]: _text(w.get("service")) for w in waiters}
+        for y in yields:
+            if y.get("scaledObject") == me:
+                text = f"{service_of.get(y['for']) or y['for']} (pool {name})"
+                if text not in yielding:
+                    yielding.append(text)
+    return PoolNotes(waiting, tuple(yielding))
 
 
 # --- gateway ------------------------------------------------------------------------------------

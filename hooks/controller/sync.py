@@ -70,9 +70,17 @@ def _keep_all(observed: obs.Observed) -> list[dict[str, Any]]:
     return [obs.kept(o) for o in observed.children.values()]
 
 
-def _observational(out: Outcome, parent_name: str, observed: obs.Observed, multi: bool) -> None:
+def pool_notes(parent: dict[str, Any], observed: obs.Observed) -> st.PoolNotes:
+    """What the AcceleratorPools say about this LLMService's backend (waiting, or yielding)."""
+    name = str(parent["metadata"]["name"])
+    return st.pool_notes(observed.related_objects(st.POOL_GROUP), namespace_of(parent), names.scaled_object(name))
+
+
+def _observational(out: Outcome, parent: dict[str, Any], observed: obs.Observed, multi: bool) -> None:
     """BackendReady and GatewayReady from what exists, whatever the spec says."""
-    out.put(st.backend_condition(observed_deployment(observed, names.backend(parent_name)), observed.live_pods()))
+    parent_name = parent["metadata"]["name"]
+    out.put(st.backend_condition(observed_deployment(observed, names.backend(parent_name)), observed.live_pods(),
+                                 pools=pool_notes(parent, observed)))
     out.put(
         st.gateway_condition(
             observed_deployment(observed, names.gateway(parent_name)),
@@ -101,14 +109,13 @@ def _missing_secrets(service: LLMService, observed: obs.Observed) -> dict[str, s
 
 def _invalid(out: Outcome, parent: dict[str, Any], observed: obs.Observed, message: str) -> None:
     out.children = _keep_all(observed)
-    name = parent["metadata"]["name"]
     spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
     endpoint = spec.get("endpoint") if isinstance(spec.get("endpoint"), dict) else {}
     multi = isinstance(endpoint.get("replicas"), int) and endpoint["replicas"] > 1
     text = f"spec is invalid, existing children are kept unchanged: {message}"
     for ctype in (ConditionType.RUNTIME_RESOLVED, ConditionType.AUTOSCALING_READY, ConditionType.CACHE_READY):
         out.put(st.Cond(ctype, "Unknown", Reason.INVALID_SPEC, "not evaluated: the spec is invalid"))
-    _observational(out, name, observed, multi)
+    _observational(out, parent, observed, multi)
     out.put(st.Cond(ConditionType.READY, "False", Reason.INVALID_SPEC, st.short(text)))
 
 
@@ -321,7 +328,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         else:
             out.put(st.Cond(ConditionType.AUTOSCALING_READY, "False", Reason.KEDA_NOT_INSTALLED, f"KEDA's CRD {obs.KEDA_CRD_NAME} is not installed"))
         out.put(st.Cond(ConditionType.CACHE_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES, "waiting for a runtime"))
-        _observational(out, name, observed, service.spec.endpoint.replicas > 1)
+        _observational(out, parent, observed, service.spec.endpoint.replicas > 1)
         return out
 
     assert resolution.runtime is not None
@@ -339,7 +346,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
                 "cache.strategy BakedImage is reserved and not implemented; existing children are kept unchanged",
             )
         )
-        _observational(out, name, observed, service.spec.endpoint.replicas > 1)
+        _observational(out, parent, observed, service.spec.endpoint.replicas > 1)
         out.put(st.Cond(ConditionType.READY, "False", Reason.NOT_IMPLEMENTED, "cache.strategy BakedImage is not implemented"))
         return out
 
@@ -371,6 +378,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
             not_created_reason=not_created[0],
             not_created_message=not_created[1],
             extra_failures=extra,
+            pools=pool_notes(parent, observed),
         )
     )
     out.put(

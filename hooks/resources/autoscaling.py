@@ -12,6 +12,11 @@ Triggers:
   KEDA reports it active while the next end comes before the next start; the API model refuses
   windows that rule would open at other times than written (hooks.api.cron).
 
+An AcceleratorPool makes an idle model yield its accelerators through the cooldown alone: while a
+pool lists the ScaledObject as yielding, cooldownPeriod (and with it the HPA's scale-down window) is
+the pool's shorter one (hooks.controller.autoscaling). `scaling.yieldPolicy: Never` is a label the
+pool reads, and it wins over a stale pool entry.
+
 Behaviour when the scaler is unreachable (a deliberate choice): no `fallback`. Current KEDA,
 when a trigger errors and no fallback is set, marks the ScaledObject Ready=False (TriggerError) and
 changes nothing: it neither scales a serving backend in nor wakes an idle one, while the HPA keeps
@@ -35,6 +40,9 @@ API_VERSION = "keda.sh/v1alpha1"
 DEMAND_TRIGGER = "gateway-demand"
 WARM_WINDOW_TRIGGER = "warm-window"
 MAX_HPA_WINDOW_SECONDS = 3600  # the HPA API's upper bound for a stabilization window
+# On the ScaledObject of a model that never yields its accelerators (scaling.yieldPolicy: Never): the
+# AcceleratorPool controller reads it from the ScaledObjects it already watches. Absent for WhenIdle.
+YIELD_POLICY_LABEL = "serving.noctaya.io/yield-policy"
 
 
 @dataclass(frozen=True)
@@ -106,9 +114,13 @@ def window_text(window: WarmWindow, measured: float | None) -> str:
     return text
 
 
-def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
+def scaled_object(ctx: RenderContext, yield_cooldown: int | None = None) -> ScaledObjectPlan:
+    """The ScaledObject. `yield_cooldown`: the shortest cooldown an AcceleratorPool gives this model while
+    it yields its accelerators (hooks.controller.autoscaling); it only ever shortens the model's own."""
     scaling = ctx.service.spec.scaling
     cooldown = ctx.seconds(scaling.cooldown_period)
+    if yield_cooldown is not None and scaling.yield_policy != "Never":  # Never wins over a stale pool entry
+        cooldown = min(cooldown, max(yield_cooldown, 0))
     demand: dict[str, Any] = {
         "type": "external-push",
         "name": DEMAND_TRIGGER,
@@ -144,10 +156,13 @@ def scaled_object(ctx: RenderContext) -> ScaledObjectPlan:
             }
         )
     triggers += warm_window_triggers(ctx)
+    metadata = ctx.metadata(names.scaled_object(ctx.name), labels.BACKEND)
+    if scaling.yield_policy == "Never":
+        metadata["labels"] = {**metadata["labels"], YIELD_POLICY_LABEL: "Never"}
     obj = {
         "apiVersion": API_VERSION,
         "kind": "ScaledObject",
-        "metadata": ctx.metadata(names.scaled_object(ctx.name), labels.BACKEND),
+        "metadata": metadata,
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.backend(ctx.name)},
             "minReplicaCount": scaling.min,

@@ -307,8 +307,11 @@ def pod_template(
         pod_spec["runtimeClassName"] = place.runtime_class_name
     if hints.scheduler_name:
         pod_spec["schedulerName"] = hints.scheduler_name
-    if hints.priority_class_name:
-        pod_spec["priorityClassName"] = hints.priority_class_name
+    # The LLMService's own priority wins over its runtime's (a model-level tier on a shared runtime).
+    own = service.spec.scheduling.priority_class_name if service.spec.scheduling is not None else None
+    priority_class = own or hints.priority_class_name
+    if priority_class:
+        pod_spec["priorityClassName"] = priority_class
 
     metadata: dict[str, Any] = {"labels": dict(pod_labels)}
     if hints.annotations:

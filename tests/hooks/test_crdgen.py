@@ -194,6 +194,7 @@ def test_defaults_follow_the_spec_table(crds: dict[str, dict[str, Any]]) -> None
         "spec.scaling.activationTimeout": "5m",
         "spec.scaling.cooldownPeriod": "5m",
         "spec.scaling.pollingInterval": "5s",
+        "spec.scaling.yieldPolicy": "WhenIdle",
         "spec.cache.strategy": "NodeLocalPVC",
         "spec.cache.size": "50Gi",
         "spec.resources.accelerators": 1,
@@ -210,6 +211,7 @@ def test_defaults_follow_the_spec_table(crds: dict[str, dict[str, Any]]) -> None
         "activationTimeout": "5m",
         "cooldownPeriod": "5m",
         "pollingInterval": "5s",
+        "yieldPolicy": "WhenIdle",
     }
     assert _at(llm, "spec.endpoint")["default"]["service"] == {"type": "ClusterIP"}
     for path, section in (("spec.cache", "cache"), ("spec.resources", "resources"), ("spec.endpoint", "endpoint")):

@@ -350,7 +350,7 @@ def test_customize_rules_never_mix_names_and_selectors() -> None:
         rules = customize.customize({"parent": svc}, h.config())["relatedResources"]
         for rule in rules:
             assert not ("names" in rule and "labelSelector" in rule)
-            if "labelSelector" in rule:
+            if "labelSelector" in rule and rule != customize.POOL_RULE:  # every pool, on purpose
                 assert rule["labelSelector"], "an empty selector would match everything"
             if "names" in rule:
                 assert rule["names"]
@@ -379,7 +379,8 @@ def test_decorator_never_writes_status() -> None:
     trig = tls["attachments"][0]["spec"]["triggers"][0]
     assert trig["metadata"]["enableTLS"] == "true" and trig["authenticationRef"] == {"name": "ta", "kind": "TriggerAuthentication"}
     rules = autoscaling.customize({"parent": h.llmservice()}, h.config())["relatedResources"]
-    assert rules == [{"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "inferenceruntimes", "names": ["vllm-nvidia"]}]
+    assert rules == [{"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "inferenceruntimes", "names": ["vllm-nvidia"]},
+                     customize.POOL_RULE]
 
 
 def test_finalize_tears_down_in_order() -> None:
