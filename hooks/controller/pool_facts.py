@@ -13,7 +13,6 @@ from typing import Any
 
 from hooks.resources import labels
 
-YIELD_POLICY_LABEL = "serving.noctaya.io/yield-policy"
 _INT = re.compile(r"^\+?[0-9]+$")
 
 
@@ -188,7 +187,7 @@ def read_model(obj: dict[str, Any]) -> Model | None:
     active = condition(obj, "Active")
     minimum = spec.get("minReplicaCount")
     pinned = ""
-    if obj_labels.get(YIELD_POLICY_LABEL) == "Never":
+    if obj_labels.get(labels.YIELD_POLICY) == "Never":
         pinned = "yieldPolicy Never"
     elif isinstance(minimum, int) and minimum > 0:
         pinned = f"min {minimum}"

@@ -40,9 +40,6 @@ API_VERSION = "keda.sh/v1alpha1"
 DEMAND_TRIGGER = "gateway-demand"
 WARM_WINDOW_TRIGGER = "warm-window"
 MAX_HPA_WINDOW_SECONDS = 3600  # the HPA API's upper bound for a stabilization window
-# On the ScaledObject of a model that never yields its accelerators (scaling.yieldPolicy: Never): the
-# AcceleratorPool controller reads it from the ScaledObjects it already watches. Absent for WhenIdle.
-YIELD_POLICY_LABEL = "serving.noctaya.io/yield-policy"
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ def scaled_object(ctx: RenderContext, yield_cooldown: int | None = None) -> Scal
     triggers += warm_window_triggers(ctx)
     metadata = ctx.metadata(names.scaled_object(ctx.name), labels.BACKEND)
     if scaling.yield_policy == "Never":
-        metadata["labels"] = {**metadata["labels"], YIELD_POLICY_LABEL: "Never"}
+        metadata["labels"] = {**metadata["labels"], labels.YIELD_POLICY: "Never"}
     obj = {
         "apiVersion": API_VERSION,
         "kind": "ScaledObject",

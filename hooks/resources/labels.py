@@ -10,6 +10,9 @@ LLMSERVICE = "serving.noctaya.io/llmservice"
 COMPONENT = "serving.noctaya.io/component"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "noctaya"
+# On the ScaledObject of a model that never yields its accelerators (scaling.yieldPolicy: Never): the
+# AcceleratorPool controller reads it from the ScaledObjects it already watches. Absent for WhenIdle.
+YIELD_POLICY = "serving.noctaya.io/yield-policy"
 
 BACKEND = "backend"
 GATEWAY = "gateway"
