@@ -12,10 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from typing import TYPE_CHECKING, Any
 
 from gateway.state.pod import (
     BACKEND_READY,
@@ -28,7 +25,15 @@ from gateway.state.pod import (
     PodState,
 )
 
-__all__ = ["GatewayMetrics", "REJECTION_REASONS", "CONTENT_TYPE_LATEST", "Counter", "Histogram"]
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import HistogramMetricFamily, Metric
+
+# prometheus-client is imported on the first scrape, not at start: with its exposition module it
+# brings http.server, wsgiref, urllib.request, email and ssl, ~13 MiB of RSS in every process of the
+# Pod (docs/benchmarks.md, "Idle footprint of a gateway Pod"), which a gateway nobody scrapes never uses.
+
+__all__ = ["GatewayMetrics", "REJECTION_REASONS", "Counter", "Histogram"]  # and CONTENT_TYPE_LATEST (lazy)
 
 REJECTION_REASONS = (
     "unauthorized", "queue_full", "queue_bytes_full", "cold_reject", "draining", "too_large", "activation_timeout",
@@ -111,8 +116,19 @@ class GatewayMetrics:
                        for i, phase in enumerate(ACTIVATION_PHASES)}
         self.ttft_warm, self.ttft_cold = (Histogram(cells, base + _TTFT + i * _TTFT_STRIDE, TTFT_BUCKETS)
                                           for i in range(len(TTFT_STARTS)))
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_PodCollector(self.pod, accelerators))
+        self._accelerators = accelerators
+        self._registry: CollectorRegistry | None = None
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The registry whose collector reports the Pod's totals (made on first use)."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry
+
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_PodCollector(self.pod, self._accelerators))
+            self._registry = registry
+        return self._registry
 
     def count_response(self, code: int) -> None:
         if not 100 <= code <= 599:
@@ -129,7 +145,18 @@ class GatewayMetrics:
         self.row.set_flag(DRAINING, draining)
 
     def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
+
+
+def __getattr__(name: str) -> Any:
+    """``CONTENT_TYPE_LATEST``, prometheus-client's, looked up (and the client imported) on first use."""
+    if name == "CONTENT_TYPE_LATEST":
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+        return CONTENT_TYPE_LATEST
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _PodCollector:
@@ -146,11 +173,15 @@ class _PodCollector:
         return cumulative, self.pod.total(offset + len(buckets) + 1)
 
     def _histogram(self, name: str, doc: str, offset: int, buckets: Sequence[float]) -> HistogramMetricFamily:
+        from prometheus_client.core import HistogramMetricFamily
+
         cumulative, total = self._buckets(offset, buckets)
         return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=total)
 
     def _labelled(self, name: str, doc: str, label: str, values: Sequence[str], offset: int, stride: int,
                   buckets: Sequence[float]) -> HistogramMetricFamily:
+        from prometheus_client.core import HistogramMetricFamily
+
         family = HistogramMetricFamily(name, doc, labels=[label])
         for i, value in enumerate(values):
             cumulative, total = self._buckets(offset + i * stride, buckets)
@@ -158,6 +189,8 @@ class _PodCollector:
         return family
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         pod = self.pod
         requests = CounterMetricFamily("noctaya_gateway_requests", "Requests answered, by HTTP status code.",
                                        labels=["code"])

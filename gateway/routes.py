@@ -23,12 +23,13 @@ from collections.abc import Callable, Iterator
 from urllib.parse import unquote
 
 from gateway import cold
+from gateway import metrics as metrics_module
 from gateway.activation import Activation
 from gateway.auth import KeyFileAuthenticator
 from gateway.config import GatewayConfig
 from gateway.errors import ERRORS, NO_RETRY, GatewayError, error_body, sse_error_frame
 from gateway.forward import ClientRelay
-from gateway.metrics import CONTENT_TYPE_LATEST, REJECTION_REASONS, GatewayMetrics
+from gateway.metrics import REJECTION_REASONS, GatewayMetrics
 from gateway.policy import InvalidJSON, inspect_cold_body, route
 from gateway.relay import (
     ConnectFailed,
@@ -169,7 +170,7 @@ class GatewayApp:
         return self._ok(conn, b'{"status":"ok"}')
 
     def _metrics(self, conn: ClientConnection, head: RequestHead) -> bool:
-        return self._ok(conn, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
+        return self._ok(conn, self.metrics.render(), metrics_module.CONTENT_TYPE_LATEST.encode())
 
     def _queue(self, conn: ClientConnection, head: RequestHead) -> bool:
         return self._ok(conn, self.queue_json())

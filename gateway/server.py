@@ -2,9 +2,9 @@
 out idle or stuck sockets, and notice clients that hang up.
 
 One greenlet per connection runs :func:`serve_connection`. Deadlines are attributes, not timers: a
-single watchdog greenlet wakes every ``WATCHDOG_SECONDS``, shuts down any socket whose deadline
-passed (which unblocks the greenlet waiting on it) and arms a hang-up watcher for requests still
-waiting on the backend after ``LAZY_WATCH_SECONDS``. A fast request therefore creates no timer and
+single watchdog greenlet wakes every ``WATCHDOG_SECONDS`` while there are connections (it parks while
+there are none), shuts down any socket whose deadline passed (which unblocks the greenlet waiting on
+it) and arms a hang-up watcher for requests still waiting on the backend after ``LAZY_WATCH_SECONDS``. A fast request therefore creates no timer and
 no extra greenlet; a held cold request is watched at once (``arm_watch``).
 """
 
@@ -413,6 +413,8 @@ class GatewayServer:
         self.admin_server = None if admin_listener is None else StreamServer(
             admin_listener, self._handle_admin, spawn=gevent.pool.Pool(ADMIN_MAX_CONNECTIONS))
         self._greenlets: list[gevent.Greenlet] = []
+        # Set when a connection arrives: the watchdog parks while there is none (no idle wake-ups).
+        self._arrived = gevent.event.Event()
 
     @property
     def port(self) -> int:
@@ -455,6 +457,8 @@ class GatewayServer:
             pass
         conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin, self.request_timeout)
         self.connections.add(conn)
+        if len(self.connections) == 1:
+            self._arrived.set()
         try:
             serve_connection(self.app, conn)
         except Exception as exc:  # noqa: BLE001 - one bad connection must not print a traceback
@@ -503,6 +507,9 @@ class GatewayServer:
 
     def _watchdog(self) -> None:
         while True:
+            if not self.connections:  # nothing to watch: park until a connection arrives
+                self._arrived.clear()
+                self._arrived.wait()
             gevent.sleep(WATCHDOG_SECONDS)
             now = self.clock()
             lazy = now - LAZY_WATCH_SECONDS

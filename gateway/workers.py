@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import resource
+import select
 import signal
 import socket as std_socket
 import sys
@@ -44,6 +45,10 @@ log = logging.getLogger("noctaya.gateway")
 
 RESTART_BACKOFF_SECONDS = (0.1, 0.5, 1.0, 2.0, 5.0)
 KILL_MARGIN_SECONDS = 10.0  # after the drain grace + this: workers still alive are killed
+# The supervisor's loop is woken by signals (a worker's exit, SIGTERM), not by a timer; these bound
+# its waits all the same: a long one while serving, a short one while draining (the kill deadline).
+IDLE_WAIT_SECONDS = 5.0
+DRAIN_WAIT_SECONDS = 0.05
 GC_THRESHOLD = 50_000  # young-generation allocations between cyclic collections (see run_worker)
 _PR_SET_PDEATHSIG = 1
 
@@ -118,8 +123,9 @@ class Supervisor:
             return pid
         code = 1
         try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.set_wakeup_fd(-1)  # the supervisor's (a restarted worker is forked inside run())
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+                signal.signal(sig, signal.SIG_DFL)
             _die_with_parent(self._parent)
             for sock in others:
                 sock.close()
@@ -183,21 +189,38 @@ class Supervisor:
                 pass
 
     def run(self, shutdown_steps: list[Callable[[], None]], sampler: DemandSampler) -> int:
+        # Signals wake the loop: whichever thread the kernel hands one to, its handler writes a byte
+        # to this pipe (signal.set_wakeup_fd), so an idle supervisor sleeps instead of polling.
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
         signal.signal(signal.SIGTERM, self.begin_drain)
         signal.signal(signal.SIGINT, self.begin_drain)
+        signal.signal(signal.SIGCHLD, _woken)  # a worker exited: reap (and restart) it at once
+        previous_fd = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         kill_after = self.config.drain_grace_seconds + KILL_MARGIN_SECONDS
-        while True:
-            self._reap()
-            if self.draining:
-                if not self.pids:
-                    break
-                if time.monotonic() - self._drain_started > kill_after:
-                    for pid in list(self.pids):
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-            time.sleep(0.05)
+        try:
+            while True:
+                self._reap()
+                if self.draining:
+                    if not self.pids:
+                        break
+                    if time.monotonic() - self._drain_started > kill_after:
+                        for pid in list(self.pids):
+                            try:
+                                os.kill(pid, signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
+                select.select([wake_r], [], [], DRAIN_WAIT_SECONDS if self.draining else IDLE_WAIT_SECONDS)
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+        finally:
+            signal.set_wakeup_fd(previous_fd)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(wake_r)
+            os.close(wake_w)
         sampler.withdraw()
         for step in shutdown_steps:
             try:
@@ -207,6 +230,10 @@ class Supervisor:
         sampler.stop()
         log.info("drained")
         return 0
+
+
+def _woken(*_: object) -> None:
+    """SIGCHLD's handler: its only job is the byte signal.set_wakeup_fd writes for it."""
 
 
 def _max_fd() -> int:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 
 __all__ = ["main", "build_parser"]
@@ -118,9 +118,45 @@ def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object,
         return None
 
 
-def _wait_for(stop: threading.Event) -> None:
-    while not stop.wait(0.2):  # short waits keep the main thread responsive to signals
-        pass
+class _Stop:
+    """Set by a signal handler or another thread; the main thread waits for it without waking up
+    periodically: a signal caught in any thread writes a byte to the pipe it waits on
+    (``signal.set_wakeup_fd``), and so does ``set``."""
+
+    WAIT_SLICE_SECONDS = 60.0  # a bound only: nothing needs the wait to end by itself
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self, *_: object) -> None:
+        self._set = True
+        try:
+            os.write(self._write, b"\0")
+        except OSError:  # full (a wake-up is pending anyway) or closed
+            pass
+
+    def wait(self) -> None:
+        """Block until set (main thread only)."""
+        previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        try:
+            while not self._set:
+                select.select([self._read], [], [], self.WAIT_SLICE_SECONDS)
+                try:
+                    os.read(self._read, 4096)
+                except BlockingIOError:
+                    pass
+        finally:
+            signal.set_wakeup_fd(previous)
+
+
+def _wait_for(stop: _Stop) -> None:
+    stop.wait()
 
 
 def _aggregate(args: argparse.Namespace) -> int:
@@ -174,7 +210,7 @@ def _aggregate(args: argparse.Namespace) -> int:
     print(f"aggregate scaler: {scheme} reports on {args.host}:{aggregator.port}, gRPC on {args.host}:{scaler.port}",
           file=sys.stderr, flush=True)
 
-    stop = threading.Event()
+    stop = _Stop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     _wait_for(stop)
@@ -196,7 +232,7 @@ def _local(args: argparse.Namespace) -> int:
     scaler = _start_grpc(args, broadcaster, scaler_settings, tls, report_pushed(sys.stdout.buffer))
     if scaler is None:
         return 1
-    stop = threading.Event()
+    stop = _Stop()
     # The feeding gateway decides when this process ends (it closes our stdin after draining), so a
     # Ctrl-C that reaches the whole process group does not end KEDA's streams before the drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

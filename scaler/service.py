@@ -38,16 +38,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.tls import TLSFiles, server_credentials
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+    from prometheus_client.registry import Collector
 
 __all__ = [
     "ExternalScalerServicer",
@@ -379,11 +381,16 @@ class ScalerServer:
         return _ScalerCollector(self.servicer)
 
 
-class _ScalerCollector(Collector):
+class _ScalerCollector:
+    """Registered by the aggregate scaler only: prometheus-client is imported when it is collected, so
+    a gateway's `python -m scaler local` child, which has no /metrics, never loads it (~6 MiB)."""
+
     def __init__(self, servicer: ExternalScalerServicer) -> None:
         self._servicer = servicer
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         yield GaugeMetricFamily("noctaya_scaler_streams_open", "Open StreamIsActive streams",
                                 value=self._servicer.open_streams)
         yield CounterMetricFamily("noctaya_scaler_pushes", "IsActive messages sent on streams",
