@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-BENCHES = ("bench.hooks_bench", "bench.scaler_bench", "bench.gateway_bench")
+# bench.idle_footprint reports without failing: its goals belong to issue #22, still open (run it with --check).
+BENCHES = ("bench.hooks_bench", "bench.scaler_bench", "bench.gateway_bench", "bench.idle_footprint")
 
 
 def main() -> int:
