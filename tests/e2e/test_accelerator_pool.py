@@ -479,6 +479,10 @@ def no_pods(name: str) -> Callable[[Sample], bool]:
     return lambda s: not s.models[name].pods
 
 
+def pool_waits(pool: str) -> Callable[[Sample], bool]:
+    return lambda s: bool((s.pools.get(f"pool/{pool}") or PoolState("", (), (), "", "", "")).waiting)
+
+
 def untouched(watch: Watch, since: float, name: str, before: ModelState) -> None:
     """``name``'s ScaledObject spec (generation), replicas and Pod kept as they were since ``since``."""
     for s in watch.during(since):
@@ -532,6 +536,7 @@ def test_lru_idle_holder_yields_to_a_cold_model_and_without_a_pool_the_cold_mode
         and bound("c")(s)), timeout=30)
     marks = [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("pool lists a", watch.first(lambda s: any(y.startswith(f"{w.ns}/a-backend ") for y in
                                                    (s.pools[f"pool/{pool}"] or PoolState("", (), (), "", "", "")).yielding), t0)),
         ("a cooldownPeriod 5", watch.first(lambda s: s.models["a"].cooldown == YIELD_AFTER_SECONDS, t0)),
@@ -596,6 +601,7 @@ def test_a_busy_holder_is_never_yielded_even_when_least_recently_used(
     assert out.kind == "complete" and out.first_token is not None, f"{out}\n{timeline.text()}"
     marks = [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("b cooldownPeriod 5", watch.first(lambda s: s.models["b"].cooldown == YIELD_AFTER_SECONDS, t0)),
         ("b replicas 0", watch.first(lambda s: s.models["b"].replicas == 0, t0)),
         ("c bound", watch.first(bound("c"), t0)),
@@ -649,6 +655,7 @@ def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted(
     assert len(done) == 2 and all(o.kind == "complete" for o in done), f"{done}\n{timeline.text()}"
     phases(timeline, "everyone busy, from c's cold request", [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("pool NoIdleHolder", said), ("c 504 activation_timeout", t0 + out.seconds)], t0)
     w.client.check_nothing_lost()
 
@@ -675,6 +682,7 @@ def test_pinned_models_are_never_victims(world: Callable[[str], World], timeline
     assert out.kind == "complete" and out.first_token is not None, f"{out}\n{timeline.text()}"
     phases(timeline, "pinned (m min 1, p yieldPolicy Never, p LRU), from c's cold request", [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("b cooldownPeriod 5", watch.first(lambda s: s.models["b"].cooldown == YIELD_AFTER_SECONDS, t0)),
         ("b replicas 0", watch.first(lambda s: s.models["b"].replicas == 0, t0)),
         ("c bound", watch.first(bound("c"), t0)), ("c first token", t0 + out.first_token)], t0)
@@ -708,6 +716,7 @@ def test_one_waiter_yields_exactly_one_of_three_idle_holders_and_an_idle_pool_wr
                          and s.models["a"].cooldown == COOLDOWN_SECONDS, timeout=30)
     phases(timeline, "no over-eviction (3 idle holders, 1 needed), from c's cold request", [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("a cooldownPeriod 5", watch.first(lambda s: s.models["a"].cooldown == YIELD_AFTER_SECONDS, t0)),
         ("a replicas 0", watch.first(lambda s: s.models["a"].replicas == 0, t0)),
         ("c bound", watch.first(bound("c"), t0)), ("c first token", t0 + out.first_token),
@@ -761,6 +770,7 @@ def test_a_waiter_no_single_node_can_fit_evicts_nobody_and_the_pool_says_unsatis
     assert not _yielded(watch, pool), timeline.text()
     phases(timeline, "fragmentation (2 nodes x 1 GPU, c needs 2)", [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("pool Unsatisfiable", said), ("c 504 activation_timeout", t0 + out.seconds)], t0)
     w.client.check_nothing_lost()
 
