@@ -31,6 +31,7 @@ from hooks.errors import describe_validation_error
 from hooks.resources import labels
 
 POOL = f"AcceleratorPool.{API_VERSION}"
+PENDING_RESYNC_SECONDS = 2.0
 NODE = "Node.v1"
 
 
@@ -243,9 +244,9 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
     previous_status = parent.get("status")
     status: dict[str, Any] = {} if generation is None else {"observedGeneration": generation}
 
-    def answer(conds: list[st.Cond]) -> dict[str, Any]:
+    def answer(conds: list[st.Cond], resync: float = 0.0) -> dict[str, Any]:
         status["conditions"] = st.wire_conditions(conds, previous_status, generation, cfg.clock)
-        return {"status": status, "children": [], "resyncAfterSeconds": 0.0,
+        return {"status": status, "children": [], "resyncAfterSeconds": resync,
                 "finalized": bool(request.get("finalizing"))}
 
     try:
@@ -280,6 +281,10 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
     cooldown = int(duration_seconds(spec.yield_after))
     status["waiting"] = [{"pod": w.key, "service": w.service, "need": w.units} for w in decision.waiting]
     status["yielding"] = [p.wire(cooldown) for p in sorted(decision.promises, key=lambda p: (p.waiter, p.scaled_object))]
+    # Events drive the pool, but a backend Pod still Pending here is exactly when a missed or coalesced
+    # Pod update would cost a cold request its deadline: look again soon until none is left. Quiet
+    # pools resync only on events (and the controller's resyncPeriodSeconds).
+    pending = any(not p.node and not p.deleting and p.units > 0 and p.key in handles for p in pods)
     return answer([st.Cond(ACCEPTED, "True", PoolReason.ACCEPTED,
                            f"{len(me.nodes)} node(s) offer {status['capacity']['units']} {spec.resource_name}"),
-                   _contended(decision, spec.resource_name)])
+                   _contended(decision, spec.resource_name)], PENDING_RESYNC_SECONDS if pending else 0.0)

@@ -289,3 +289,15 @@ def test_customize_relates_what_the_decision_reads() -> None:
     assert {r["resource"] for r in rules} == {"pods", "scaledobjects", "nodes", "acceleratorpools"}
     pods_rule = next(r for r in rules if r["resource"] == "pods")
     assert pods_rule["labelSelector"] == {"matchLabels": {"serving.noctaya.io/component": "backend"}}
+
+
+def test_a_pool_with_a_pending_backend_looks_again_soon_and_a_quiet_one_does_not() -> None:
+    objs = two_idle_and_a_waiter()
+    assert pool.sync(request(pool_obj(), *objs), CONFIG)["resyncAfterSeconds"] == pool.PENDING_RESYNC_SECONDS
+    # Pending but not (yet) marked Unschedulable: not a waiter, but the pool looks again.
+    fresh = pod("c")
+    fresh["status"] = {"phase": "Pending", "conditions": []}
+    answer = pool.sync(request(pool_obj(), *objs[:3], fresh, *objs[4:]), CONFIG)
+    assert answer["status"]["waiting"] == [] and answer["resyncAfterSeconds"] == pool.PENDING_RESYNC_SECONDS
+    bound = [pod("c", node_name="n1") if o["metadata"]["name"] == "c-backend-0" else o for o in objs]
+    assert pool.sync(request(pool_obj(), node("n1", 3), *bound[1:]), CONFIG)["resyncAfterSeconds"] == 0.0
