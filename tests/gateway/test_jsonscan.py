@@ -322,3 +322,36 @@ def test_agrees_with_json_loads_on_nesting(shape: list[str]) -> None:
     closes = "".join("}" if c == "{" else "]" for c in reversed(shape))
     for body in (f'{{"a":{opens}1{closes}}}', f'{{"a":{opens}1{closes[:-1]}}}', f'{{"a":{opens}{closes}}}'):
         assert scan(body.encode()) == oracle(body.encode()), body
+
+
+def test_a_shallow_body_never_compiles_the_full_depth_expression() -> None:
+    """The first cold request of a worker waited ~110 ms for the depth-64 expression to compile
+    (bench.gateway_bench's admission -> push); real bodies are matched by a shallow one first."""
+    from gateway import jsonscan
+
+    jsonscan._body_pattern.cache_clear()
+    tools = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "array",
+             "items": {"type": "object", "properties": {"c": {"type": "string"}}}}}}}}
+    body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}], "tools": [{"type": "function", "function": {"parameters": tools}}]}).encode()
+    assert inspect_json_body(body, max_depth=64) == BodyFacts(stream=True, model="m", has_model=True)
+    assert _only_the_shallow_expression_compiled(jsonscan)
+    # Deeper than the shallow expression but within the limit: the full one decides, same facts.
+    deep = b'{"model":"m","x":' + b"[" * 40 + b"]" * 40 + b',"stream":true}'
+    assert inspect_json_body(deep, max_depth=64) == BodyFacts(stream=True, model="m", has_model=True)
+    assert inspect_json_body(memoryview(deep), max_depth=64).stream
+    with pytest.raises(InvalidJSON) as too_deep:
+        inspect_json_body(b'{"x":' + b"[" * 70 + b"]" * 70 + b"}", max_depth=64)
+    assert too_deep.value.kind == "depth"
+    # Invalid but with few brackets: refused without compiling anything deeper.
+    jsonscan._body_pattern.cache_clear()
+    with pytest.raises(InvalidJSON):
+        inspect_json_body(b'{"model": "m", "stream": tru}', max_depth=64)
+    assert _only_the_shallow_expression_compiled(jsonscan)
+
+
+def _only_the_shallow_expression_compiled(jsonscan: Any) -> bool:
+    compiled = jsonscan._body_pattern.cache_info().currsize
+    hits = jsonscan._body_pattern.cache_info().hits
+    jsonscan._body_pattern(jsonscan._FIRST_DEPTH)  # a hit, not a compile, if it is the one
+    return compiled == 1 and jsonscan._body_pattern.cache_info().hits == hits + 1
