@@ -19,7 +19,6 @@ import queue
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from hooks.controller import sync
 from hooks.resources import scaler as scaler_resources
 from scaler.aggregator import AggregatorSettings
 from tests.hooks import helpers as h
+from tests.stderr_lines import StderrLines
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
@@ -179,8 +179,7 @@ class Gateway:
     def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=ROOT, env=env,
                                      stderr=subprocess.PIPE, text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+        lines = self.stderr = StderrLines(self.proc)
         deadline = time.monotonic() + 30
         self.ports: dict[str, int] = {}
         while not self.ports and time.monotonic() < deadline:
@@ -200,7 +199,7 @@ class Gateway:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        self.proc.stderr.close()  # type: ignore[union-attr]
+        self.stderr.close()
 
 
 def _get(port: int, path: str, timeout: float) -> int | None:

@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import requests
 
 from hooks.controller import sync
 from tests.hooks import helpers as h
+from tests.stderr_lines import StderrLines
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "nat-token"
@@ -43,8 +43,7 @@ class Aggregator:
         env.pop("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", None)  # the mounted path does not exist here
         self.proc = subprocess.Popen([sys.executable, "-m", "scaler", "aggregate"], cwd=ROOT, env=env,
                                      stderr=subprocess.PIPE, text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+        lines = self.stderr = StderrLines(self.proc)
         deadline, self.port = time.monotonic() + 30, 0
         while not self.port and time.monotonic() < deadline:
             try:
@@ -62,7 +61,7 @@ class Aggregator:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self.proc.stderr.close()  # type: ignore[union-attr]
+        self.stderr.close()
 
 
 @pytest.fixture
