@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import requests
 
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
+from tests.stderr_lines import StderrLines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,8 +49,7 @@ def test_aggregate_end_to_end_and_sigterm(tmp_path: Path) -> None:
         stderr=subprocess.PIPE, text=True,
     )
     try:
-        lines: queue.Queue[str] = queue.Queue(maxsize=1000)
-        threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()  # type: ignore[union-attr]
+        lines = StderrLines(proc)
         deadline, ports = time.monotonic() + 30, None
         while ports is None and time.monotonic() < deadline:
             try:
@@ -83,7 +82,7 @@ def test_aggregate_end_to_end_and_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-        proc.stderr.close()  # type: ignore[union-attr]
+        lines.close()
 
 
 def test_aggregate_reports_a_port_in_use(tmp_path: Path) -> None:
