@@ -243,7 +243,21 @@ class Cluster:
         argv = [str(self.metacontroller), f"--kubeconfig={kubeconfig}", "--discovery-interval=2s",
                 "--cache-flush-interval=30m", "--health-probe-bind-address=0", "--metrics-address=0",
                 "--zap-log-level=4"]
+        self._metacontroller_argv = argv
         self.spawn_with_cluster_names("metacontroller", argv)
+        self._still_running("metacontroller", after=1.0)
+
+    def stop_metacontroller(self) -> None:
+        """Stop Metacontroller (SIGTERM, as a rollout or an eviction would); its log is kept aside."""
+        self.stop_process("metacontroller")
+        log = self.workdir / "metacontroller.log"
+        if log.exists():
+            log.rename(self.workdir / f"metacontroller.{time.monotonic():.0f}.log")
+
+    def restart_metacontroller(self) -> None:
+        """Start Metacontroller again as start_metacontroller did (same ServiceAccount kubeconfig, flags):
+        a fresh process with empty informer caches that resyncs every parent."""
+        self.spawn_with_cluster_names("metacontroller", self._metacontroller_argv)
         self._still_running("metacontroller", after=1.0)
 
     def _still_running(self, name: str, after: float) -> None:

@@ -567,6 +567,12 @@ def _yielded(watch: Watch, pool: str, since: float = 0.0) -> set[str]:
     return out
 
 
+def _yielded_now(sample: Sample, pool: str) -> set[str]:
+    """The ScaledObjects the pool lists as yielding in one sample."""
+    state = sample.pools.get(f"pool/{pool}")
+    return {y.split(" ", 1)[0] for y in (state.yielding if state else ())}
+
+
 def _pool_ready(watch: Watch, pool: str) -> None:
     watch.wait(f"pool {pool} Accepted, no waiters", lambda s: (p := s.pools[f"pool/{pool}"]) is not None
                and p.accepted == "True/Accepted" and p.contended == "False/NoWaiters", timeout=30)
@@ -623,7 +629,7 @@ def test_a_busy_holder_is_never_yielded_even_when_least_recently_used(
 
 
 @pytest.mark.timeout(240)
-def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted(
+def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted_until_a_holder_goes_idle(
         world: Callable[[str], World], timeline: Timeline) -> None:
     w = world("allbusy")
     w.node("n1", gpus=2)
@@ -632,10 +638,11 @@ def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted(
     pool = w.pool()
     _pool_ready(watch, pool)
     w.warm("a", "b", gap=0.0)
-    streams = []
-    for name in ("a", "b"):
-        _long_stream(w.models[name], 30)
-        streams.append(w.client.ask_later(w.models[name], tokens=30))
+    # a streams 30 s, b 40 s: after c's 504 a goes idle first, while b is still busy.
+    streams = {}
+    for name, seconds in (("a", 30), ("b", 40)):
+        _long_stream(w.models[name], seconds)
+        streams[name] = w.client.ask_later(w.models[name], tokens=seconds)
     before = dict(watch.last.models)
     t0 = time.monotonic()
     out = w.client.ask(w.models["c"], stream=False)
@@ -649,14 +656,37 @@ def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted(
     for name in ("a", "b"):
         untouched(watch, t0, name, before[name])
     assert not _yielded(watch, pool), timeline.text()
-    for thread in streams:
-        thread.join(40)
-    done = [o for o in w.client.outcomes if o.model in ("a", "b") and o.chunks == 30]
-    assert len(done) == 2 and all(o.kind == "complete" for o in done), f"{done}\n{timeline.text()}"
     phases(timeline, "everyone busy, from c's cold request", [
         ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
         ("pool lists c waiting", watch.first(pool_waits(pool), t0)),
         ("pool NoIdleHolder", said), ("c 504 activation_timeout", t0 + out.seconds)], t0)
+
+    # Once a goes idle (its stream ends), a new request for c is served: a yields, b (still streaming) does not.
+    streams["a"].join(40)
+    a_done = time.monotonic()
+    # (c's backend Pod stays Pending after the 504 — its Deployment keeps 1 replica for KEDA's cooldown —
+    # so the pool still lists it: reported, not asserted.)
+    still = all(pool_waits(pool)(s) for s in watch.during(t0 + out.seconds + 1.0) if s.t < a_done)
+    print(f"after c's 504 and until a's stream ended, the pool {'still' if still else 'no longer always'} listed c waiting")
+    a_out = next(o for o in w.client.outcomes if o.model == "a" and o.chunks == 30)
+    assert a_out.kind == "complete", f"{a_out}\n{timeline.text()}"
+    t_again = time.monotonic()
+    again = w.client.ask(w.models["c"])
+    assert again.kind == "complete" and again.first_token is not None, f"{again}\n{timeline.text()}"
+    served = t_again + again.first_token
+    phases(timeline, "a idle again, from the end of a's stream", [
+        ("c requested again", t_again),
+        ("a Active=False", watch.first(lambda s: s.models["a"].active.startswith("False"), a_done - 1.0)),
+        ("pool lists a", watch.first(lambda s: f"{w.ns}/a-backend" in _yielded_now(s, pool), a_done - 1.0)),
+        ("a replicas 0", watch.first(lambda s: s.models["a"].replicas == 0, a_done - 1.0)),
+        ("c bound", watch.first(bound("c"), a_done - 1.0)), ("c first token", served)], a_done)
+    assert served - a_done <= YIELD_AFTER_SECONDS + 20.0, \
+        f"c served {served - a_done:.1f}s after a's stream ended\n{timeline.text()}"
+    streams["b"].join(40)
+    untouched(watch, t0, "b", before["b"])
+    assert _yielded(watch, pool) == {f"{w.ns}/a-backend"}, timeline.text()
+    done = [o for o in w.client.outcomes if (o.model, o.chunks) in (("a", 30), ("b", 40))]
+    assert len(done) == 2 and all(o.kind == "complete" for o in done), f"{done}\n{timeline.text()}"
     w.client.check_nothing_lost()
 
 
@@ -813,4 +843,287 @@ def test_a_waiter_yields_only_a_holder_of_its_own_accelerator_kind(
     phases(timeline, "AMD waiter d", [
         ("b replicas 0", watch.first(lambda s: s.models["b"].replicas == 0, t1)),
         ("d bound", watch.first(bound("d"), t1)), ("d first token", t1 + out.first_token)], t1)
+    w.client.check_nothing_lost()
+
+
+# --- timing helpers for the scenarios below -------------------------------------------------------------
+
+
+def _wall(t: float) -> float:
+    """The wall-clock time (epoch seconds, as KEDA's lastActiveTime) of a monotonic instant."""
+    return t + (time.time() - time.monotonic())
+
+
+def _scaled_in(name: str) -> Callable[[Sample], bool]:
+    """The model's backend is being scaled in: replicas 0 or its Pod deleting."""
+    return lambda s: s.models[name].replicas == 0 or any(p.deleting for p in s.models[name].pods)
+
+
+def _last_active_before(watch: Watch, name: str, t: float) -> float:
+    """The model's lastActiveTime (epoch seconds) in the last sample before ``t``."""
+    last = [s.models[name].last_active for s in watch.samples if s.t < t and s.models[name].last_active]
+    assert last, f"{name} has no lastActiveTime before {t}"
+    return _seconds(last[-1])
+
+
+def _bound_pods(watch: Watch, since: float, until: float | None = None) -> set[str]:
+    """Every backend Pod (any model) seen bound to a node between ``since`` and ``until``."""
+    return {f"{name}/{p.name}" for s in watch.during(since) if until is None or s.t <= until
+            for name, m in s.models.items() for p in m.pods if p.node}
+
+
+@dataclass
+class Sent:
+    model: str
+    at: float = 0.0  # monotonic, when the request was sent
+    out: Outcome | None = None
+
+
+def _send_at(w: World, name: str, at: float, **kwargs: Any) -> Sent:
+    """One request to ``name`` sent at monotonic ``at`` from a thread of the client's."""
+    sent = Sent(name)
+
+    def run() -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        sent.at = time.monotonic()
+        sent.out = w.client.ask(w.models[name], **kwargs)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    w.client._threads.append(thread)
+    return sent
+
+
+# --- 2. residency floor ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_holder_used_moments_ago_is_not_scaled_in_before_last_active_plus_yield_after(
+        world: Callable[[str], World], timeline: Timeline) -> None:
+    w = world("floor")
+    w.node("n1", gpus=1)
+    w.add_models({"a": {}, "c": {}})
+    watch = w.start_watch()
+    pool = w.pool()
+    _pool_ready(watch, pool)
+    w.warm("a")
+    w.wait_idle("a", past_yield_after=False)  # a's activation lease over: only requests keep it active
+    a = w.models["a"]
+    a.server.backend.tokens, a.server.backend.stream_delay = 3, 0.5
+    t_used = time.monotonic()
+    used = w.client.ask(a, tokens=3)  # 1.5 s in flight
+    assert used.kind == "complete", f"{used}\n{timeline.text()}"
+    used_end = t_used + used.seconds
+    time.sleep(max(0.0, used_end + 1.0 - time.monotonic()))
+    t0 = time.monotonic()
+    out = w.client.ask(w.models["c"])
+    assert out.kind == "complete" and out.first_token is not None, f"{out}\n{timeline.text()}"
+    gone = watch.first(_scaled_in("a"), t0)
+    assert gone is not None, timeline.text()
+    last_active = _last_active_before(watch, "a", gone)
+    floor = last_active + YIELD_AFTER_SECONDS
+    shortened = watch.first(lambda s: s.models["a"].cooldown == YIELD_AFTER_SECONDS, t0)
+    marks = [
+        ("c Unschedulable", watch.first(unschedulable("c", "nvidia.com/gpu"), t0)),
+        ("pool lists a", watch.first(lambda s: f"{w.ns}/a-backend" in _yielded_now(s, pool), t0)),
+        ("a cooldownPeriod 5", shortened),
+        ("a lastActiveTime + yieldAfter", floor - _wall(0.0)),
+        ("a scaled in (replicas 0 or Pod deleting)", gone),
+        ("c bound", watch.first(bound("c"), t0)), ("c first token", t0 + out.first_token)]
+    phases(timeline, f"residency floor (a used until {t0 - used_end:.1f}s before c's cold request)", marks, t0)
+    # a's use moved its lastActiveTime (KEDA saw the request), and the pool wanted a gone before its floor:
+    # only the floor held it.
+    assert last_active >= _wall(t_used) - 1.0, f"lastActiveTime {last_active} not refreshed by a's request\n{timeline.text()}"
+    assert shortened is not None and _wall(shortened) <= floor - 1.0, timeline.text()
+    assert _wall(gone) >= floor - 0.5, \
+        f"a scaled in {floor - _wall(gone):.2f}s before lastActiveTime + yieldAfter\n{timeline.text()}"
+    print(f"residency floor: a scaled in {_wall(gone) - floor:+.2f}s after lastActiveTime + yieldAfter "
+          f"({_wall(gone) - _wall(used_end) - YIELD_AFTER_SECONDS:+.2f}s after its request's end + yieldAfter)")
+    assert out.first_token <= 25.0, f"{out}\n{timeline.text()}"
+    w.client.check_nothing_lost()
+
+
+# --- 5. anti-thrash --------------------------------------------------------------------------------------
+
+CONTROL_SECONDS = 40.0  # the control's alternation (yieldAfter 0s), as long as the main part's
+
+def _alternate(w: World, t_start: float, seconds: float, every: float = 2.0) -> list[Sent]:
+    """a, c, a, c … one request every ``every`` seconds for ``seconds``: a streamed (warm when it holds
+    the GPU), c plain."""
+    out = []
+    for i in range(int(seconds / every)):
+        name = "a" if i % 2 == 0 else "c"
+        kwargs: dict[str, Any] = {"tokens": 3} if name == "a" else {"stream": False}
+        out.append(_send_at(w, name, t_start + i * every, **kwargs))
+    return out
+
+
+def _wait_sent(sent: list[Sent], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(s.out is None for s in sent) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_alternating_demand_on_one_gpu_does_not_thrash_and_with_yield_after_zero_it_swaps(
+        world: Callable[[str], World], timeline: Timeline) -> None:
+    w = world("thrash")
+    w.node("n1", gpus=1)
+    w.add_models({"a": {"scaling": {"activationTimeout": "20s"}}, "c": {"scaling": {"activationTimeout": "20s"}}})
+    watch = w.start_watch()
+    w.warm("a")
+    w.wait_idle("a", past_yield_after=False)  # a holds the only GPU, its activation lease over
+    pool = w.pool(yield_after="10s")
+    _pool_ready(watch, pool)
+    a = w.models["a"]
+    a.server.backend.tokens, a.server.backend.stream_delay = 3, 0.5  # each a request 1.5 s in flight
+    bound_before = _bound_pods(watch, watch.last.t)
+    t0 = time.monotonic() + 0.5
+    sent = _alternate(w, t0, 40.0)
+    a_sent = [s for s in sent if s.model == "a"]
+    c_sent = [s for s in sent if s.model == "c"]
+    _wait_sent(a_sent, 60)
+    a_end = max(s.at + s.out.seconds for s in a_sent)  # type: ignore[union-attr]
+    c_ready = watch.wait("c Ready after a's last request", lambda s: any(p.ready for p in s.models["c"].pods),
+                         timeout=45)
+    _wait_sent(c_sent, 30)
+    # While a was busy (its last request's end): no new backend Pod bound, a kept its Pod.
+    swaps = _bound_pods(watch, t0, a_end) - bound_before
+    assert not swaps, f"backend Pods bound while a was in use: {swaps}\n{timeline.text()}"
+    warm = [s.out for s in a_sent]
+    assert all(o is not None and o.kind == "complete" and o.first_token is not None and o.first_token <= 2.0
+               for o in warm), "a not served warm:\n" + "\n".join(map(str, warm)) + "\n" + timeline.text()
+    no_holder = [s.pools[f"pool/{pool}"] for s in watch.during(t0) if s.t <= a_end
+                 and (p := s.pools[f"pool/{pool}"]) is not None and p.contended == "True/NoIdleHolder"]
+    assert no_holder and f"{w.ns}/a" in no_holder[0].message, \
+        f"the pool never said NoIdleHolder naming a while a was in use\n{timeline.text()}"  # type: ignore[union-attr]
+    for s in c_sent:
+        o = s.out
+        assert o is not None, timeline.text()
+        deadline = s.at + 20.0
+        if deadline < c_ready - 2.0:
+            assert (o.status, o.kind) == (504, "activation_timeout"), f"c sent {s.at - t0:+.1f}s: {o}\n{timeline.text()}"
+        elif deadline > c_ready + 2.0:
+            assert o.kind == "complete", f"c sent {s.at - t0:+.1f}s: {o}\n{timeline.text()}"
+    gone = watch.first(_scaled_in("a"), t0)
+    assert gone is not None and _wall(gone) >= _last_active_before(watch, "a", gone) + 10.0 - 0.5, timeline.text()
+    assert c_ready - a_end <= 30.0, f"c Ready {c_ready - a_end:.1f}s after a's last request\n{timeline.text()}"
+    served = sum(1 for s in c_sent if s.out is not None and s.out.kind == "complete")
+    timed_out = sum(1 for s in c_sent if s.out is not None and s.out.kind == "activation_timeout")
+    flips = len({s.models["a"].generation for s in watch.during(t0) if s.t <= a_end})
+    phases(timeline, "anti-thrash (1 GPU, a/c alternating every 2 s for 40 s, yieldAfter 10 s), from the first request", [
+        ("pool NoIdleHolder", watch.first(lambda s: (p := s.pools[f"pool/{pool}"]) is not None
+                                          and p.contended == "True/NoIdleHolder", t0)),
+        ("a's last request ends", a_end), ("a scaled in", gone), ("c bound", watch.first(bound("c"), a_end)),
+        ("c Ready", c_ready)], t0)
+    print(f"anti-thrash: 0 swaps in 40 s; {len(a_sent)} a requests warm (first token max "
+          f"{max(o.first_token or 0.0 for o in warm if o):.3f}s); c: {timed_out} x 504, {served} x 200; "
+          f"a's ScaledObject generations while in use: {flips}")
+
+    # Control: yieldAfter 0 — the same alternation swaps the GPU back and forth.
+    w.cluster.kubectl("patch", "acceleratorpool", pool, "--type=merge", "-p", '{"spec":{"yieldAfter":"0s"}}')
+    t1 = time.monotonic() + 0.5
+    bound_before = _bound_pods(watch, watch.last.t)
+    control = _alternate(w, t1, CONTROL_SECONDS)
+    _wait_sent(control, CONTROL_SECONDS + 40)
+    swaps = sorted(_bound_pods(watch, t1, t1 + CONTROL_SECONDS) - bound_before)
+    timeline.note(f"control swaps: {swaps}")
+    kinds = [f"{s.model}@{s.at - t1:+.0f}s:{s.out.status}" for s in control if s.out is not None]
+    when = []
+    for pod in swaps:
+        model, name = pod.split("/", 1)
+        t = watch.first(lambda s, m=model, n=name: any(p.name == n and p.node for p in s.models[m].pods), t1)
+        when.append(f"{model} {t - t1:+.1f}s" if t is not None else f"{model} ?")
+    print(f"control (yieldAfter 0s): {len(swaps)} swap(s) in {CONTROL_SECONDS:.0f} s, bound at {', '.join(when)}; "
+          f"requests: {kinds}")
+    assert len(swaps) >= 2, f"yieldAfter 0 swapped {len(swaps)} time(s) in {CONTROL_SECONDS}s\n{timeline.text()}"
+    w.client.check_nothing_lost()
+
+
+
+# --- 9. demand while yielding; Metacontroller restarted mid-yield ------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_demand_while_yielding_moves_the_yield_and_a_metacontroller_restart_mid_yield_ends_in_the_same_state(
+        world: Callable[[str], World], cluster: Cluster, timeline: Timeline) -> None:
+    w = world("moving")
+    w.node("n1", gpus=2)
+    w.add_models({"a": {}, "b": {}, "c": {}, "d": {}})
+    watch = w.start_watch()
+    pool = w.pool()
+    _pool_ready(watch, pool)
+    w.warm("a", "b", gap=0.0)
+    w.wait_idle("a", "b", past_yield_after=False)
+    # a streams 3 s, b 5 s: a becomes idle first (the least recently used), both well inside yieldAfter.
+    for name, seconds in (("a", 3), ("b", 5)):
+        _long_stream(w.models[name], seconds)
+        w.client.ask_later(w.models[name], tokens=seconds)
+    time.sleep(1.0)
+    before = dict(watch.last.models)
+    t0 = time.monotonic()
+    c_req = _send_at(w, "c", t0)
+    listed = watch.wait("pool lists a for c", lambda s: f"{w.ns}/a-backend" in _yielded_now(s, pool), timeout=20)
+    floor_a = _last_active_before(watch, "a", listed + 0.01) + YIELD_AFTER_SECONDS
+    # Demand for a while it is listed and still inside its yieldAfter.
+    t_a = time.monotonic()
+    a_out = w.client.ask(w.models["a"], tokens=3)
+    _wait_sent([c_req], 70)
+    out = c_req.out
+    assert out is not None and out.kind == "complete" and out.first_token is not None, f"{out}\n{timeline.text()}"
+    assert _wall(listed) < floor_a and _wall(t_a) < floor_a - 0.5, \
+        f"a was past its yieldAfter when listed/asked: {floor_a - _wall(listed):.2f}s\n{timeline.text()}"
+    assert a_out.kind == "complete" and a_out.first_token is not None and a_out.first_token <= 2.0, \
+        f"a not served warm: {a_out}\n{timeline.text()}"
+    b_gone = watch.first(_scaled_in("b"), t0)
+    assert b_gone is not None, timeline.text()
+    floor_b = _last_active_before(watch, "b", b_gone) + YIELD_AFTER_SECONDS
+    phases(timeline, "demand while yielding (a listed, then asked), from c's cold request", [
+        ("pool lists a", listed), ("a's floor", floor_a - _wall(0.0)), ("a asked", t_a),
+        ("a Active=True", watch.first(lambda s: s.models["a"].active.startswith("True"), t_a)),
+        ("pool lists b", watch.first(lambda s: f"{w.ns}/b-backend" in _yielded_now(s, pool), t0)),
+        ("b's floor", floor_b - _wall(0.0)), ("b scaled in", b_gone),
+        ("c bound", watch.first(bound("c"), t0)), ("c first token", t0 + out.first_token)], t0)
+    assert out.first_token <= FIRST_BYTE_BUDGET, f"{out}\n{timeline.text()}"
+    assert _wall(b_gone) >= floor_b - 0.5, timeline.text()
+    assert all(s.models["a"].replicas == 1 and s.models["a"].pods == before["a"].pods
+               and not any(p.deleting for p in s.models["a"].pods) for s in watch.during(t0)), \
+        f"a was touched\n{timeline.text()}"
+    assert _yielded(watch, pool, t0) == {f"{w.ns}/a-backend", f"{w.ns}/b-backend"}, timeline.text()
+    assert watch.last.models["b"].replicas == 0, timeline.text()
+
+    # Metacontroller restarted mid-yield: d's cold request while a and c are both idle (a the LRU).
+    w.wait_idle("a", "c", past_yield_after=False)
+    before = dict(watch.last.models)
+    t1 = time.monotonic()
+    d_req = _send_at(w, "d", t1)
+    listed = watch.wait("pool lists a victim for d", lambda s: bool(_yielded_now(s, pool)), timeout=20)
+    cluster.stop_metacontroller()
+    stopped = time.monotonic()
+    victim_at_stop = sorted(_yielded_now(watch.last, pool))
+    cooldown_at_stop = watch.last.models["a"].cooldown
+    try:
+        time.sleep(5.0)
+    finally:
+        cluster.restart_metacontroller()
+    restarted = time.monotonic()
+    _wait_sent([d_req], 70)
+    out = d_req.out
+    assert out is not None and out.kind == "complete" and out.first_token is not None, f"{out}\n{timeline.text()}"
+    settled = watch.wait("yielding empty, a's cooldown restored, no waiters", lambda s: (
+        (p := s.pools[f"pool/{pool}"]) is not None and not p.yielding and p.contended == "False/NoWaiters"
+        and s.models["a"].cooldown == COOLDOWN_SECONDS), timeout=40)
+    phases(timeline, f"Metacontroller stopped mid-yield (pool listed {victim_at_stop}, a's cooldown {cooldown_at_stop}), "
+                     "from d's cold request", [
+        ("pool lists a", listed), ("Metacontroller stopped", stopped), ("Metacontroller restarted", restarted),
+        ("a cooldownPeriod 5", watch.first(lambda s: s.models["a"].cooldown == YIELD_AFTER_SECONDS, t1)),
+        ("a scaled in", watch.first(_scaled_in("a"), t1)), ("d bound", watch.first(bound("d"), t1)),
+        ("d first token", t1 + out.first_token), ("settled", settled)], t1)
+    assert victim_at_stop == [f"{w.ns}/a-backend"], victim_at_stop
+    final = watch.last.models
+    assert final["a"].replicas == 0 and not final["a"].pods, timeline.text()
+    assert final["b"].replicas == 0 and final["c"].replicas == 1 and final["d"].replicas == 1, timeline.text()
+    untouched(watch, t1, "c", before["c"])
+    scaled_in = {n for n in ("a", "c") if watch.first(_scaled_in(n), t1) is not None}
+    assert scaled_in == {"a"} and _yielded(watch, pool, t1) == {f"{w.ns}/a-backend"}, timeline.text()
     w.client.check_nothing_lost()
