@@ -27,6 +27,7 @@ from tests.kube.apiserver import REPO_ROOT
 
 CLUSTER_DOMAIN = "cluster.local"
 POLL_SECONDS = 0.1
+DRAIN_GRACE_SECONDS = 30.0  # a scaled-in backend answers what it has in flight for this long, at most
 
 
 def service_hosts(name: str, namespace: str) -> list[str]:
@@ -164,9 +165,11 @@ class ModelServer:
                 self.up_at = time.monotonic()
                 self.timeline.note(f"model server up: backend Pod {ready[0]} Ready")
             elif not ready and self.backend.running:
-                self.backend.stop()
+                # kwok deletes a Pod at once; a kubelet would first run its preStop drain, which lets
+                # the requests in flight finish (tests/hooks/test_drain.py covers the real one).
+                waited = self.backend.drain(DRAIN_GRACE_SECONDS)
                 self.up_at = None
-                self.timeline.note("model server down: no Ready backend Pod")
+                self.timeline.note(f"model server down: no Ready backend Pod (drained in {waited:.2f}s)")
             self._stop.wait(POLL_SECONDS)
 
     def pod_states(self) -> list[str]:

@@ -78,6 +78,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         b = self.server.backend
+        b.begin_request()
+        try:
+            self._post(b)
+        finally:
+            b.end_request()
+
+    def _post(self, b: FakeBackend) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             body = self._read_chunked()
@@ -199,6 +206,7 @@ class FakeBackend:
         self.health_checks = 0
         self.client_disconnects = 0
         self.requests: list[tuple[str, str, bytes]] = []
+        self.in_flight = 0  # POSTs being answered (what a preStop drain waits for)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._server: _Server | None = None
@@ -226,6 +234,14 @@ class FakeBackend:
         with self._lock:
             self._connections.discard(conn)
 
+    def begin_request(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+
+    def end_request(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
     def requests_to(self, path: str) -> list[tuple[str, str, bytes]]:
         with self._lock:
             return [r for r in self.requests if r[1] == path]
@@ -245,6 +261,23 @@ class FakeBackend:
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self
+
+    def drain(self, grace: float) -> float:
+        """What a Pod's preStop drain does on scale-in: no new connections (the listener closes, as
+        the Pod leaves its Service's endpoints), requests already in flight are answered for up to
+        ``grace`` seconds, then the Pod is gone (:meth:`stop`). Returns the seconds waited."""
+        started = time.monotonic()
+        server = self._server
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        while time.monotonic() - started < grace:
+            with self._lock:
+                if self.in_flight <= 0:
+                    break
+            time.sleep(0.02)
+        self.stop()
+        return time.monotonic() - started
 
     def stop(self) -> None:
         server, self._server = self._server, None
