@@ -152,14 +152,22 @@ def decide(pool: PoolView, handles: set[str], pods: list[Pod], models: list[Mode
     """The pure decision. `handles` are the waiters (Pod keys) this pool answers for."""
     nodes = {n.name: n for n in pool.nodes}
     ready_services = {p.service for p in pods if p.ready and not p.deleting}
-    pending = {p.key: p for p in pods if not p.node and not p.deleting}
+    by_service = {m.service: m for m in models}
+    # A Pod left Pending after its cold request ended (504, client gone) waits for nobody: KEDA keeps its
+    # replica only for the cooldown. Yielding to it would take an accelerator from a model for no one.
+    pending = {p.key: p for p in pods if not p.node and not p.deleting
+               and (p.service not in by_service or by_service[p.service].wants_replica)}
     waiters = sorted((p for p in pending.values() if p.key in handles and p.short_of_resource and p.units > 0
                       and p.service not in ready_services), key=lambda p: (p.created, p.key))
     by_so = {m.scaled_object: m for m in models}
     decision = Decision(waiting=waiters)
-    # A promise stands while its waiter is still unbound and its victim has not turned busy again.
-    kept = [pr for pr in previous if pr.waiter in pending and pr.node in nodes
-            and not (by_so.get(pr.scaled_object) is not None and by_so[pr.scaled_object].active)]
+    # A promise stands while its waiter is still unbound (and wanted). A victim that turned busy again
+    # keeps its promise only if no other idle holder can take over (decided below): moving the yield
+    # serves the waiter sooner, and keeping it otherwise spares the victim's ScaledObject a rewrite on
+    # every request (KEDA never scales in an active model; the short cooldown counts from its last one).
+    standing = [pr for pr in previous if pr.waiter in pending and pr.node in nodes]
+    turned_busy = [pr for pr in standing if by_so.get(pr.scaled_object) is not None and by_so[pr.scaled_object].active]
+    kept = [pr for pr in standing if pr not in turned_busy]
     used = {pr.scaled_object for pr in kept}
     bound = [p for p in pods if p.node in nodes]
     # What each node will have free once the promised victims are gone (only Noctaya's Pods are seen).
@@ -201,6 +209,14 @@ def decide(pool: PoolView, handles: set[str], pods: list[Pod], models: list[Mode
                     best = (rank, node.name, chosen)
         if best is None:
             largest = max((n.units for n in usable), default=0)
+            again = [pr for pr in turned_busy if pr.waiter == w.key and pr.scaled_object not in used]
+            if largest >= w.units and again:  # nobody else can take over: the busy victim still yields
+                decision.promises.extend(again)
+                used.update(pr.scaled_object for pr in again)
+                for pr in again:
+                    room[pr.node] += _held_by(bound, pr.service, pr.node)
+                room[again[0].node] -= w.units
+                continue
             (decision.unsatisfiable if largest < w.units else decision.no_holder).append(
                 f"{w.key} needs {w.units} {pool.resource}" + (f"; the largest node it can use offers {largest}"
                                                               if largest < w.units else ""))

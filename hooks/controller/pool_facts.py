@@ -175,6 +175,13 @@ class Model:
     idle: bool  # Active=False with reason ScalerCooldown: replicas up, nothing to do, cooling down
     active: bool  # Active=True
     pinned: str  # why it never yields ("" when it may)
+    minimum: int = 0  # minReplicaCount: a replica it keeps without any demand
+
+    @property
+    def wants_replica(self) -> bool:
+        """Demand now (KEDA Active) or a floor: a Pending Pod of a model with neither is only KEDA's
+        cooldown keeping a replica nobody asked for (its cold request already ended)."""
+        return self.active or self.minimum > 0
 
 
 def read_model(obj: dict[str, Any]) -> Model | None:
@@ -197,4 +204,5 @@ def read_model(obj: dict[str, Any]) -> Model | None:
         last_active=last if isinstance(last, str) else "",
         idle=active.get("status") == "False" and active.get("reason") == "ScalerCooldown" and isinstance(last, str),
         active=active.get("status") == "True", pinned=pinned,
+        minimum=minimum if isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > 0 else 0,
     )

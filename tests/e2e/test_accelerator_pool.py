@@ -19,11 +19,12 @@ Across every test: each request ends in a complete 200, a 504 activation_timeout
 
 from __future__ import annotations
 
+import difflib
 import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -194,6 +195,9 @@ class PoolState:
     contended: str  # status/reason
     message: str
     accepted: str
+    # The whole object as read (metadata without managedFields): a failed "nothing rewritten" check shows
+    # which field moved. Not compared.
+    raw: str = field(default="", compare=False, repr=False)
 
     def short(self) -> str:
         return f"Contended={self.contended} waiting={list(self.waiting)} yielding={list(self.yielding)}"
@@ -286,6 +290,15 @@ def _pod_state(pod: dict[str, Any]) -> PodState:
         deleting=bool(pod["metadata"].get("deletionTimestamp")))
 
 
+def _versions_diff(raw_by_version: dict[str, str]) -> str:
+    """A unified diff between each consecutive pair of an object's versions as sampled."""
+    texts = list(raw_by_version.items())
+    out = []
+    for (v1, a), (v2, b) in zip(texts, texts[1:], strict=False):
+        out.append("\n".join(difflib.unified_diff(a.splitlines(), b.splitlines(), v1, v2, lineterm="", n=1)))
+    return "\n".join(out)
+
+
 def _pool_state(obj: dict[str, Any]) -> PoolState:
     status = obj.get("status") or {}
     conds = {c["type"]: c for c in status.get("conditions") or []}
@@ -296,7 +309,9 @@ def _pool_state(obj: dict[str, Any]) -> PoolState:
         waiting=tuple(w["pod"] for w in status.get("waiting") or []),
         contended=f"{contended.get('status', '?')}/{contended.get('reason', '')}",
         message=str(contended.get("message", "")),
-        accepted=f"{(conds.get('Accepted') or {}).get('status', '?')}/{(conds.get('Accepted') or {}).get('reason', '')}")
+        accepted=f"{(conds.get('Accepted') or {}).get('status', '?')}/{(conds.get('Accepted') or {}).get('reason', '')}",
+        raw=json.dumps({**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "managedFields"}},
+                       sort_keys=True, indent=1))
 
 
 class World:
@@ -664,10 +679,16 @@ def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted_unti
     # Once a goes idle (its stream ends), a new request for c is served: a yields, b (still streaming) does not.
     streams["a"].join(40)
     a_done = time.monotonic()
-    # (c's backend Pod stays Pending after the 504 — its Deployment keeps 1 replica for KEDA's cooldown —
-    # so the pool still lists it: reported, not asserted.)
-    still = all(pool_waits(pool)(s) for s in watch.during(t0 + out.seconds + 1.0) if s.t < a_done)
-    print(f"after c's 504 and until a's stream ended, the pool {'still' if still else 'no longer always'} listed c waiting")
+    time.sleep(YIELD_AFTER_SECONDS + 3.0)  # a idle past yieldAfter, and no request for c: a keeps its GPU
+    assert not _yielded(watch, pool), f"a yielded to a Pod nobody waits for\n{timeline.text()}"
+    assert watch.last.models["a"].replicas == 1, timeline.text()
+    # c's backend Pod stays Pending after the 504 (its Deployment keeps 1 replica for KEDA's cooldown),
+    # but nobody waits for it: once KEDA records c inactive the pool stops listing it, so a going idle
+    # is not made to yield for a request that already ended.
+    gave_up = t0 + out.seconds
+    dropped = watch.first(lambda s: not pool_waits(pool)(s), gave_up)
+    assert dropped is not None and dropped - gave_up <= 10.0, f"c still listed after its 504\n{timeline.text()}"
+    print(f"the pool stopped listing c {dropped - gave_up:.1f}s after its 504")
     a_out = next(o for o in w.client.outcomes if o.model == "a" and o.chunks == 30)
     assert a_out.kind == "complete", f"{a_out}\n{timeline.text()}"
     t_again = time.monotonic()
@@ -680,8 +701,8 @@ def test_with_every_holder_busy_the_waiter_times_out_and_nothing_is_evicted_unti
         ("pool lists a", watch.first(lambda s: f"{w.ns}/a-backend" in _yielded_now(s, pool), a_done - 1.0)),
         ("a replicas 0", watch.first(lambda s: s.models["a"].replicas == 0, a_done - 1.0)),
         ("c bound", watch.first(bound("c"), a_done - 1.0)), ("c first token", served)], a_done)
-    assert served - a_done <= YIELD_AFTER_SECONDS + 20.0, \
-        f"c served {served - a_done:.1f}s after a's stream ended\n{timeline.text()}"
+    assert served - t_again <= FIRST_BYTE_BUDGET, \
+        f"c served {served - t_again:.1f}s after its new request\n{timeline.text()}"
     streams["b"].join(40)
     untouched(watch, t0, "b", before["b"])
     assert _yielded(watch, pool) == {f"{w.ns}/a-backend"}, timeline.text()
@@ -764,8 +785,11 @@ def test_one_waiter_yields_exactly_one_of_three_idle_holders_and_an_idle_pool_wr
     per_hook = {hook: int(after.get(hook, 0) - calls.get(hook, 0)) for hook in after if after.get(hook, 0) > calls.get(hook, 0)}
     timeline.note(f"hook calls during the idle minute: {per_hook}")
     print(f"\npool with no waiters: hook calls in one idle minute (4 LLMServices, 3 at 1 replica idle; 1 pool): {per_hook}")
+    seen = {s.pools[f"pool/{pool}"].resource_version: s.pools[f"pool/{pool}"].raw  # type: ignore[union-attr]
+            for s in watch.during(quiet_from - 1.0)}
     rewrites = {s.pools[f"pool/{pool}"].resource_version for s in watch.during(quiet_from)}  # type: ignore[union-attr]
-    assert rewrites == {version}, f"the pool's status was rewritten while nobody waited: {rewrites}\n{timeline.text()}"
+    assert rewrites == {version}, (f"the pool was rewritten while nobody waited: {sorted(rewrites)}\n"
+                                   + _versions_diff(seen) + f"\n{timeline.text()}")
     print(f"pool status not rewritten for {time.monotonic() - quiet_from:.0f} s with no waiters (resourceVersion {version})")
     for name in ("b", "d"):
         untouched(watch, t0, name, before[name])
@@ -993,10 +1017,11 @@ def test_alternating_demand_on_one_gpu_does_not_thrash_and_with_yield_after_zero
     warm = [s.out for s in a_sent]
     assert all(o is not None and o.kind == "complete" and o.first_token is not None and o.first_token <= 2.0
                for o in warm), "a not served warm:\n" + "\n".join(map(str, warm)) + "\n" + timeline.text()
-    no_holder = [s.pools[f"pool/{pool}"] for s in watch.during(t0) if s.t <= a_end
-                 and (p := s.pools[f"pool/{pool}"]) is not None and p.contended == "True/NoIdleHolder"]
-    assert no_holder and f"{w.ns}/a" in no_holder[0].message, \
-        f"the pool never said NoIdleHolder naming a while a was in use\n{timeline.text()}"  # type: ignore[union-attr]
+    # While a was in use the pool named it: promised to yield once idle yieldAfter (Yielding; the promise
+    # stands while a is busy, as nobody else could take over) or held back as busy (NoIdleHolder).
+    named = [p for s in watch.during(t0) if s.t <= a_end and (p := s.pools[f"pool/{pool}"]) is not None
+             and p.contended in ("True/Yielding", "True/NoIdleHolder") and f"{w.ns}/a" in p.message]
+    assert named, f"the pool never named a while a was in use\n{timeline.text()}"
     for s in c_sent:
         o = s.out
         assert o is not None, timeline.text()
@@ -1011,6 +1036,8 @@ def test_alternating_demand_on_one_gpu_does_not_thrash_and_with_yield_after_zero
     served = sum(1 for s in c_sent if s.out is not None and s.out.kind == "complete")
     timed_out = sum(1 for s in c_sent if s.out is not None and s.out.kind == "activation_timeout")
     flips = len({s.models["a"].generation for s in watch.during(t0) if s.t <= a_end})
+    # Not a rewrite per request: shortened once when promised (a restore and a second promise at most).
+    assert flips <= 3, f"a's ScaledObject rewritten {flips - 1} times while in use\n{timeline.text()}"
     phases(timeline, "anti-thrash (1 GPU, a/c alternating every 2 s for 40 s, yieldAfter 10 s), from the first request", [
         ("pool NoIdleHolder", watch.first(lambda s: (p := s.pools[f"pool/{pool}"]) is not None
                                           and p.contended == "True/NoIdleHolder", t0)),

@@ -301,3 +301,36 @@ def test_a_pool_with_a_pending_backend_looks_again_soon_and_a_quiet_one_does_not
     assert answer["status"]["waiting"] == [] and answer["resyncAfterSeconds"] == pool.PENDING_RESYNC_SECONDS
     bound = [pod("c", node_name="n1") if o["metadata"]["name"] == "c-backend-0" else o for o in objs]
     assert pool.sync(request(pool_obj(), node("n1", 3), *bound[1:]), CONFIG)["resyncAfterSeconds"] == 0.0
+
+
+def test_a_victim_that_turns_busy_keeps_its_promise_when_no_other_holder_could_take_over() -> None:
+    # One accelerator, alternating demand: moving the yield is impossible, and dropping the promise on
+    # every request would flip the victim's cooldownPeriod (a ScaledObject rewrite) each time.
+    objs = [node("n1", 1), pod("a", node_name="n1"), pod("c", waiting=True),
+            scaled("a", "idle", "2026-12-05T07:40:00Z"), scaled("c", "busy", None)]
+    first = run(pool_obj(), *objs)
+    assert victims(first) == ["team/a-backend"]
+    objs[3] = scaled("a", "busy", "2026-12-05T07:59:00Z")
+    second = pool.sync(request(pool_obj(status=first), *objs), CONFIG)
+    assert victims(second["status"]) == ["team/a-backend"]
+    assert second["status"]["yielding"] == first["yielding"]
+    assert cond(second["status"], "Contended")["reason"] == "Yielding"
+    # ... and it is byte-identical on the next resync.
+    again = pool.sync(request(pool_obj(status=second["status"]), *objs), CONFIG)
+    assert json.dumps(again, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_a_pending_pod_whose_cold_request_ended_makes_nobody_yield() -> None:
+    # c's request got its 504: KEDA says c is not active (its replica lives on only for the cooldown).
+    objs = two_idle_and_a_waiter()
+    objs[6] = scaled("c", "idle", "2026-12-05T07:59:00Z")
+    status = run(pool_obj(), *objs)
+    assert status["waiting"] == [] and status["yielding"] == []
+    assert cond(status, "Contended")["reason"] == "NoWaiters"
+    # A promise made while it still waited is withdrawn: the victim's cooldown is restored.
+    before = run(pool_obj(), *two_idle_and_a_waiter())
+    assert victims(before) == ["team/a-backend"]
+    assert run(pool_obj(status=before), *objs)["yielding"] == []
+    # A model with a floor (min 1) wants its replica without any demand: it is still a waiter.
+    objs[6] = scaled("c", "zero", None, minimum=1)
+    assert victims(run(pool_obj(), *objs)) == ["team/a-backend"]

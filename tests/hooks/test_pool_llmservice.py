@@ -318,7 +318,7 @@ def test_the_pools_decision_reaches_both_models() -> None:
     """A real pool sync over a waiter in `models` and an idle holder in `team`; its status then drives the
     holder's decorator (short cooldown) and the waiter's BackendReady."""
     objs = [tp.node("n1", 1), tp.pod("a", node_name="n1"), tp.scaled("a", "idle", "2026-12-05T07:40:00Z"),
-            tp.pod("qwen", waiting=True, ns=h.NAMESPACE), tp.scaled("qwen", "zero", None, ns=h.NAMESPACE)]
+            tp.pod("qwen", waiting=True, ns=h.NAMESPACE), tp.scaled("qwen", "busy", None, ns=h.NAMESPACE)]
     parent = tp.pool_obj()
     status = pool.sync(tp.request(parent, *objs), tp.CONFIG)["status"]
     decided = {**parent, "status": status}
