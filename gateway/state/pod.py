@@ -23,7 +23,8 @@ in-process worker), it holds the limits that are *per Pod, not per worker*:
   what wakes a model from zero. Warm traffic (in-flight +1/-1 on every request) is picked up by the
   sampler's periodic read instead, and a request that started and ended between two reads still counts
   as one in flight for that read (a ``TRANSITIONS`` counter of requests started), so a busy backend never looks idle
-  and no warm request costs a wake-up or a pipe write.
+  and no warm request costs a wake-up or a pipe write. A worker's backend-readiness flip also posts it:
+  while no worker believes the backend ready there is no warm traffic, and the sampler sleeps until posted.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gatew
 _HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT, _ACTIVATION_OWNER = range(4)
 
 LOCK_PATIENCE_SECONDS = 1.0  # see PodState._lock_after_a_death
+# The demand sampler's longest sleep while nothing can change without waking it (a bound, not a need).
+PARKED_SECONDS = 5.0
 
 _ctx = multiprocessing.get_context("fork")
 
@@ -225,7 +228,11 @@ class Row:
             self._notify.release()
 
     def set_flag(self, field: int, value: bool) -> None:
-        self.cells[self.base + field] = 1.0 if value else 0.0
+        cell = 1.0 if value else 0.0
+        flipped = self.cells[self.base + field] != cell
+        self.cells[self.base + field] = cell
+        if field == BACKEND_READY and flipped:
+            self._notify.release()  # a parked sampler must watch warm traffic from now on
 
 
 class DemandSampler:
@@ -258,8 +265,16 @@ class DemandSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.pod.notify.acquire(timeout=self.interval)
+            self.pod.notify.acquire(timeout=self._wait())
             self.publish_now()
+
+    def _wait(self) -> float:
+        """How long to sleep before the next sample. Warm traffic is seen only by sampling, but there is
+        none while no worker believes the backend ready: then every request is cold and its flip (like
+        a readiness flip) posts ``notify``, so an idle gateway at zero parks instead of waking 10×/s."""
+        if self.withdrawn or self.pod.any(BACKEND_READY) or self.pod.demand().active:
+            return self.interval
+        return PARKED_SECONDS
 
     def withdraw(self) -> None:
         """Graceful shutdown: the published demand is zero from now on."""

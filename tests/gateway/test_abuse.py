@@ -535,7 +535,8 @@ def test_json_bombs_on_cold_streams_stay_under_256_mib_and_wake_nothing(tmp_path
         print(f"\npeak RSS of the gateway tree ({rss.max_processes} processes, {rss.samples} samples) "
               f"{rss.peak / MiB:.0f} MiB; cgroup {f'v{cgroup.version}' if cgroup.available else 'none'} peak "
               f"{'-' if peak_cgroup is None else f'{peak_cgroup / MiB:.0f} MiB'} under {LIMIT / MiB:.0f} MiB")
-        assert rss.samples > 50 and rss.max_processes >= 3
+        # The sampler ran through the attack (every 20 ms; a fast machine gets through it all in ~1 s).
+        assert rss.samples > 20 and rss.max_processes >= 3
         assert rss.peak < LIMIT
         if peak_cgroup is not None:
             assert peak_cgroup < LIMIT

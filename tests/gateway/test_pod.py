@@ -111,3 +111,49 @@ def test_a_worker_killed_inside_the_pod_lock_does_not_freeze_the_pod() -> None:
     assert time.monotonic() - started < 5
     assert pod.held_bytes == 100  # the dead worker's half-stored 500 is gone
     assert pod.try_take_bytes(900, worker=0) and not pod.try_take_bytes(1, worker=0)
+
+
+def test_the_sampler_parks_while_nothing_warm_can_happen_and_every_way_out_wakes_it() -> None:
+    """No worker believes the backend ready and nothing is queued: every request is cold, so its flip
+    posts the sampler, which need not wake 10 times a second. A readiness flip posts it as well."""
+    from gateway.state.pod import BACKEND_READY, PARKED_SECONDS, DemandSampler
+
+    pod = PodState(2, max_queue=10, max_held_bytes=None)
+    sampler = DemandSampler(pod, DemandBroadcaster(), interval=0.1)
+    assert sampler._wait() == PARKED_SECONDS
+    row = pod.row(1)
+    row.set_flag(BACKEND_READY, True)
+    assert pod.notify.acquire(False) and not pod.notify.acquire(False)  # one post per flip
+    assert sampler._wait() == 0.1  # warm traffic is only seen by sampling
+    row.set_flag(BACKEND_READY, True)
+    assert not pod.notify.acquire(False)  # no flip, no post (the probe sets it 10 times a second)
+    row.set_flag(BACKEND_READY, False)
+    assert pod.notify.acquire(False)
+    assert sampler._wait() == PARKED_SECONDS
+    row.write_demand(1, 0, True)  # a cold request: posted (tested above) and sampled at the interval
+    assert sampler._wait() == 0.1
+    row.write_demand(0, 0, False)
+    assert sampler._wait() == PARKED_SECONDS
+    sampler.withdraw()
+    assert sampler._wait() == 0.1
+
+
+def test_a_parked_sampler_publishes_a_cold_flip_at_once() -> None:
+    import time
+
+    from gateway.state.pod import DemandSampler
+
+    pod = PodState(1, max_queue=10, max_held_bytes=None)
+    broadcaster = DemandBroadcaster()
+    sampler = DemandSampler(pod, broadcaster, interval=0.1).start()
+    try:
+        time.sleep(0.3)  # parked by now (5 s)
+        row = pod.row(0)
+        started = time.monotonic()
+        row.write_demand(1, 0, True)
+        while not broadcaster.current().active and time.monotonic() - started < 2.0:
+            time.sleep(0.005)
+        assert broadcaster.current() == Demand(1, 0, True)
+        # Correctness, not speed: published within the 2 s bound above, far inside the 5 s park.
+    finally:
+        sampler.stop()
