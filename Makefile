@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test e2e lint demo demo-prewarm render crds chart bench clean
+.PHONY: venv test e2e lint demo demo-prewarm render crds chart bench bench-pool-day clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ chart: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+# A day of a 12-model platform on 4 GPUs, with and without an AcceleratorPool, on the e2e harness's
+# cluster (about 20 min; docs/benchmarks.md). Builds the e2e dependencies first, as `make e2e` does.
+# Options: make bench-pool-day POOL_DAY_ARGS="--only zero,pool --ready-grace 1.5"
+bench-pool-day: $(STAMP)
+	$(PY) -m tests.setup e2e
+	$(PY) -m bench.pool_day $(POOL_DAY_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -42,6 +42,10 @@ complete answers, 504 activation_timeout, 429, and lost requests (anything else:
 backend Pods started and the pool's yields.
 
 Run: .venv/bin/python -m bench.pool_day [--quick] [--seed N] [--only min1,zero,pool] [--schedule]
+[--ready-grace S] (or ``make bench-pool-day POOL_DAY_ARGS="..."``).
+``--ready-grace`` sets the gateways' readyGrace (their NOCTAYA_READY_GRACE_SECONDS, on top of the
+rendered env) so that it is compressed like cooldownPeriod: 15 s against a 300 s cooldown in a cluster
+is 1.5 s against this benchmark's 30 s.
 ``--schedule`` prints the schedule and its statistics without a cluster. Exit 1 when a request was
 lost. Takes about 20 minutes (1209 s measured; ``--quick`` about 9, estimated) on 2 cores, most of it
 the replays; results in docs/benchmarks.md ("A day of a multi-model platform").
@@ -273,6 +277,9 @@ class Result:
     gpu_seconds: float = 0.0
     replay_seconds: float = 0.0
     pods_started: int = 0
+    timeouts_by_model: Counter[str] = field(default_factory=Counter)
+    timeouts_by_pool_reason: Counter[str] = field(default_factory=Counter)  # what the pool said meanwhile
+    holders_at_timeouts: Counter[str] = field(default_factory=Counter)  # its "no idle holder" messages
     yields: int = 0
     max_lag: float = 0.0
     poll_errors: int = 0
@@ -294,8 +301,10 @@ class Poller:
     """Lists the namespace's backend Pods every 0.1 s: starts/stops each model's stand-in server as
     ModelServer does (up exactly while a Ready backend Pod exists) and integrates GPUs held by bound Pods."""
 
-    def __init__(self, cluster: Any, namespace: str, models: dict[str, Any]) -> None:
+    def __init__(self, cluster: Any, namespace: str, models: dict[str, Any], pool: str | None = None) -> None:
         self.cluster, self.namespace, self.models = cluster, namespace, models
+        self.pool = pool  # its Contended condition is read once a second, to explain timeouts
+        self.pool_said: list[tuple[float, str, str]] = []  # (monotonic, reason, message) on each change
         self.ready: dict[str, bool] = dict.fromkeys(models, False)
         self.pods_seen: set[str] = set()
         self.held = 0
@@ -324,7 +333,10 @@ class Poller:
         # verify per request: a Session's own verify loses to REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE in the environment.
         verify = str(plane.ca_file)
         url = f"{plane.url}/api/v1/namespaces/{self.namespace}/pods?labelSelector=serving.noctaya.io/component=backend"
+        pool_url = f"{plane.url}/apis/serving.noctaya.io/v1alpha1/acceleratorpools/{self.pool}"
         while not self._stop.is_set():
+            if self.pool and self.lists % round(1.0 / POLL_SECONDS) == 0:
+                self._read_pool(session, pool_url, verify)
             try:
                 resp = session.get(url, timeout=10, verify=verify)
                 resp.raise_for_status()
@@ -363,6 +375,25 @@ class Poller:
                 self.ready[name] = up
             self._stop.wait(POLL_SECONDS)
         session.close()
+
+    def _read_pool(self, session: Any, url: str, verify: str) -> None:
+        import requests
+
+        try:
+            resp = session.get(url, timeout=10, verify=verify)
+            resp.raise_for_status()
+            conds = (resp.json().get("status") or {}).get("conditions") or []
+        except requests.RequestException:
+            self.errors += 1
+            return
+        said = next(((c.get("reason", ""), c.get("message", "")) for c in conds if c.get("type") == "Contended"), ("", ""))
+        if not self.pool_said or self.pool_said[-1][1:] != said:
+            self.pool_said.append((time.monotonic(), *said))
+
+    def said_between(self, start: float, end: float) -> list[tuple[str, str]]:
+        """The pool's Contended (reason, message) pairs in force at some moment of [start, end], in order."""
+        return [(reason, message) for i, (t, reason, message) in enumerate(self.pool_said)
+                if t <= end and (self.pool_said[i + 1][0] if i + 1 < len(self.pool_said) else math.inf) >= start]
 
     def stop(self) -> None:
         self._stop.set()
@@ -429,7 +460,8 @@ def pool_yields(cluster: Any, pool: str) -> int:
     return int(total)
 
 
-def run_config(cluster: Any, config: Config, arrivals: list[Arrival], length: float, log: Any) -> Result:
+def run_config(cluster: Any, config: Config, arrivals: list[Arrival], length: float, log: Any,
+               ready_grace: float | None = None) -> Result:
     import yaml
 
     from tests.e2e.cluster import Timeline
@@ -471,10 +503,11 @@ def run_config(cluster: Any, config: Config, arrivals: list[Arrival], length: fl
                 m.get(kind, suffix) is not None
                 for kind, suffix in [("deployment", "-gateway"), ("deployment", "-backend"), ("scaledobject", "-backend")]),
                 timeout=120)
-            model.gateways = LocalPods(cluster, ns, f"{model.name}-gateway").start(1)
+            gateway_env = {} if ready_grace is None else {"NOCTAYA_READY_GRACE_SECONDS": f"{ready_grace:g}"}
+            model.gateways = LocalPods(cluster, ns, f"{model.name}-gateway", env=gateway_env).start(1)
         for model in models.values():
             model.gateways.wait_http(GATEWAY_PORT, timeout=60)
-        poller = Poller(cluster, ns, models).start()
+        poller = Poller(cluster, ns, models, pool if config.pool else None).start()
         for model in models.values():
             model.wait_keda_connected()
         if config.min_replicas:
@@ -532,6 +565,14 @@ def run_config(cluster: Any, config: Config, arrivals: list[Arrival], length: fl
                     result.ttft_cold.append(o.first_token)
             elif o.status == 504 and o.kind == "activation_timeout":
                 result.timeouts += 1
+                result.timeouts_by_model[o.model] += 1
+                if config.pool:
+                    sent = t0 + o.planned + o.lag
+                    said = poller.said_between(sent, sent + o.seconds)
+                    result.timeouts_by_pool_reason[" then ".join(dict.fromkeys(r for r, _ in said))] += 1
+                    for holders in dict.fromkeys(m.rsplit("(holders: ", 1)[1].rstrip(")") for _, m in said
+                                                 if "(holders: " in m):
+                        result.holders_at_timeouts[holders] += 1
             elif o.status == 429:
                 result.refused += 1
             if not o.acceptable():
@@ -601,6 +642,14 @@ def report(results: list[Result], length: float) -> str:
     for r in results:
         notes.append(f"{r.config.key}: replay {r.replay_seconds:.0f} s, wall {r.wall:.0f} s with set-up and tear-down; "
                      f"client start lag max {r.max_lag:.2f} s; Pod poller errors {r.poll_errors}")
+        if r.timeouts_by_model:
+            notes.append("  activation_timeout per model: "
+                         + " ".join(f"{m}={n}" for m, n in sorted(r.timeouts_by_model.items())))
+        if r.timeouts_by_pool_reason:
+            notes.append("  the pool's Contended reasons while they waited: "
+                         + "; ".join(f"{k or '(none read)'}: {n}" for k, n in r.timeouts_by_pool_reason.most_common()))
+        for holders, n in r.holders_at_timeouts.most_common(3):
+            notes.append(f"  holders it named meanwhile ({n}x): {holders}")
         for lost in r.lost[:10]:
             notes.append(f"  LOST {lost}")
     return "\n".join(lines + [""] + notes)
@@ -612,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=21)
     parser.add_argument("--only", default="min1,zero,pool", help="configurations, comma-separated (min1,zero,pool)")
     parser.add_argument("--schedule", action="store_true", help="print the schedule's statistics and exit (no cluster)")
+    parser.add_argument("--ready-grace", type=float, default=None, metavar="SECONDS",
+                        help="the gateways' readyGrace (NOCTAYA_READY_GRACE_SECONDS) instead of the rendered 15 s, "
+                             "to scale it like cooldownPeriod")
     args = parser.parse_args(argv)
     keys = [k.strip() for k in args.only.split(",") if k.strip()]
     unknown = [k for k in keys if k not in CONFIGS]
@@ -622,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pool day: {MODELS} models, Zipf s={ZIPF_S}, seed {args.seed}, 1 s = {COMPRESSION / 60:.0f} min, "
           f"replaying {hour_of(start):.0f}:00-{hour_of(end):.0f}:00; cooldownPeriod {COOLDOWN_SECONDS} s, "
           f"yieldAfter {YIELD_AFTER_SECONDS} s, activationTimeout {ACTIVATION_TIMEOUT_SECONDS} s, "
-          f"pollingInterval {POLLING}, {CLIENT_THREADS} client threads")
+          f"pollingInterval {POLLING}, {CLIENT_THREADS} client threads, readyGrace "
+          f"{'15 s (rendered)' if args.ready_grace is None else f'{args.ready_grace:g} s (--ready-grace)'}")
     print(describe([Arrival(a.t + start, a.model, a.burst) for a in arrivals], start, end))
     if args.schedule:
         return 0
@@ -631,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     with e2e_cluster() as cluster:
         print(f"cluster up in {time.monotonic() - t0:.0f} s", flush=True)
         for key in keys:
-            results.append(run_config(cluster, CONFIGS[key], arrivals, length, sys.stdout))
+            results.append(run_config(cluster, CONFIGS[key], arrivals, length, sys.stdout, args.ready_grace))
             print(report(results[-1:], length), flush=True)
     print(f"\n{report(results, length)}\ntotal {time.monotonic() - t0:.0f} s", flush=True)
     return 1 if any(r.lost for r in results) else 0

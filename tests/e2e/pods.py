@@ -41,10 +41,11 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 class LocalPods:
     """The replicas of one Deployment in Noctaya's image, as local processes (see the module doc)."""
 
-    def __init__(self, cluster: Cluster, namespace: str, deployment: str) -> None:
+    def __init__(self, cluster: Cluster, namespace: str, deployment: str, env: dict[str, str] | None = None) -> None:
         self.cluster = cluster
         self.namespace = namespace
         self.deployment = deployment
+        self.env_overrides = dict(env or {})  # what a benchmark changes on top of the rendered env
         self.addresses: list[str] = []
         self._names: list[str] = []
 
@@ -80,6 +81,7 @@ class LocalPods:
         for var in container.get("env") or []:
             assert "valueFrom" not in var, f"{name}: env {var['name']} uses valueFrom, which LocalPods does not resolve"
             env[var["name"]] = _rewrite(var["value"], mounts)
+        env.update(self.env_overrides)
         command = [*container.get("command", []), *container.get("args", [])]
         assert command[:2] == ["python", "-m"], f"{name}: not Noctaya's image command: {command}"
         self.cluster.spawn_with_cluster_names(name, [sys.executable, *command[1:]], env)
