@@ -70,6 +70,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from hooks.resources.gateway import READY_GRACE_SECONDS
+
 MODELS = 12
 ZIPF_S = 1.4
 DAY_SECONDS = 288.0  # the whole day, real seconds: 1 s = 5 min
@@ -334,8 +336,10 @@ class Poller:
         verify = str(plane.ca_file)
         url = f"{plane.url}/api/v1/namespaces/{self.namespace}/pods?labelSelector=serving.noctaya.io/component=backend"
         pool_url = f"{plane.url}/apis/serving.noctaya.io/v1alpha1/acceleratorpools/{self.pool}"
+        next_pool_read = 0.0
         while not self._stop.is_set():
-            if self.pool and self.lists % round(1.0 / POLL_SECONDS) == 0:
+            if self.pool and time.monotonic() >= next_pool_read:
+                next_pool_read = time.monotonic() + 1.0
                 self._read_pool(session, pool_url, verify)
             try:
                 resp = session.get(url, timeout=10, verify=verify)
@@ -662,8 +666,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="min1,zero,pool", help="configurations, comma-separated (min1,zero,pool)")
     parser.add_argument("--schedule", action="store_true", help="print the schedule's statistics and exit (no cluster)")
     parser.add_argument("--ready-grace", type=float, default=None, metavar="SECONDS",
-                        help="the gateways' readyGrace (NOCTAYA_READY_GRACE_SECONDS) instead of the rendered 15 s, "
-                             "to scale it like cooldownPeriod")
+                        help=f"the gateways' readyGrace (NOCTAYA_READY_GRACE_SECONDS) instead of the rendered "
+                             f"{READY_GRACE_SECONDS} s, to scale it like cooldownPeriod")
     args = parser.parse_args(argv)
     keys = [k.strip() for k in args.only.split(",") if k.strip()]
     unknown = [k for k in keys if k not in CONFIGS]
@@ -675,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
           f"replaying {hour_of(start):.0f}:00-{hour_of(end):.0f}:00; cooldownPeriod {COOLDOWN_SECONDS} s, "
           f"yieldAfter {YIELD_AFTER_SECONDS} s, activationTimeout {ACTIVATION_TIMEOUT_SECONDS} s, "
           f"pollingInterval {POLLING}, {CLIENT_THREADS} client threads, readyGrace "
-          f"{'15 s (rendered)' if args.ready_grace is None else f'{args.ready_grace:g} s (--ready-grace)'}")
+          f"{f'{READY_GRACE_SECONDS} s (rendered)' if args.ready_grace is None else f'{args.ready_grace:g} s (--ready-grace)'}")
     print(describe([Arrival(a.t + start, a.model, a.burst) for a in arrivals], start, end))
     if args.schedule:
         return 0
