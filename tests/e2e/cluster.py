@@ -219,18 +219,35 @@ class Cluster:
         self._spawn("hooks", [sys.executable, "-m", "hooks", "serve", "--bind", f"{self.address}:{HOOK_PORT}",
                               "--workers", "1", "--tls-cert-file", str(tls_dir / "tls.crt"),
                               "--tls-key-file", str(tls_dir / "tls.key")], env)
-        self._wait(lambda: self._hooks_get("/healthz").ok, "hook server", "hooks")
+        self._wait(lambda: self._hooks_get("/healthz", attempts=1).ok, "hook server", "hooks")
 
     @property
     def hook_url(self) -> str:
         return f"https://{self.address}:{HOOK_PORT}"
 
-    def _hooks_get(self, path: str) -> requests.Response:
-        # The suite's own polling dials the address, not the Service name the certificate names;
-        # Metacontroller, which is what is tested, verifies the certificate.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return requests.get(f"{self.hook_url}{path}", timeout=5, verify=False)
+    def _hooks_get(self, path: str, attempts: int = 3) -> requests.Response:
+        """The suite's own read of the hook server (health, counters), with room for a 2-core CI host
+        where every component of the cluster shares the CPUs: a CI run once saw one TLS handshake
+        stall past 5 s. A slow read is printed, so a hook server that really stalls stays visible."""
+        # The suite dials the address, not the Service name the certificate names; Metacontroller,
+        # which is what is tested, verifies the certificate.
+        started = time.monotonic()
+        for attempt in range(1, attempts + 1):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    resp = requests.get(f"{self.hook_url}{path}", timeout=(10, 30), verify=False)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                if attempt == attempts:
+                    raise
+                print(f"hook server: GET {path} attempt {attempt} failed after "
+                      f"{time.monotonic() - started:.1f}s ({type(exc).__name__}); retrying")
+                time.sleep(1.0)
+                continue
+            if time.monotonic() - started > 5.0:
+                print(f"hook server: GET {path} took {time.monotonic() - started:.1f}s")
+            return resp
+        raise AssertionError("unreachable")
 
     def start_metacontroller(self) -> None:
         """As the ServiceAccount the install binds its RBAC to, in a mount namespace of its own."""
