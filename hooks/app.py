@@ -195,6 +195,17 @@ def _object_key(hook_request: Mapping[str, Any]) -> str | None:
     return f"{namespace}/{name}" if isinstance(namespace, str) and namespace else name
 
 
+def _object_version(hook_request: Mapping[str, Any]) -> str | None:
+    """The resourceVersion the hook's answer was computed from (Metacontroller sends its cached copy,
+    which can lag the last write), for the log line only."""
+    root = hook_request.get("parent")
+    if root is None:
+        root = hook_request.get("object")
+    metadata = root.get("metadata") if isinstance(root, Mapping) else None
+    version = metadata.get("resourceVersion") if isinstance(metadata, Mapping) else None
+    return version if isinstance(version, str) else None
+
+
 def _bearer_token(header_value: str | None) -> str | None:
     if not header_value:
         return None
@@ -273,6 +284,7 @@ def create_app(
                     "event": "hook",
                     "hook": hook,
                     "object": g.get("hook_object"),
+                    "resourceVersion": g.get("hook_object_version"),
                     "status": response.status_code,
                     "durationMs": round(seconds * 1000.0, 3),
                 },
@@ -286,6 +298,7 @@ def create_app(
             try:
                 hook_request = _parse_body()
                 g.hook_object = _object_key(hook_request)
+                g.hook_object_version = _object_version(hook_request)
                 result = handler(hook_request, config)
                 if not isinstance(result, Mapping):
                     raise TypeError(f"hook {route.name} returned {type(result).__name__}, not an object")

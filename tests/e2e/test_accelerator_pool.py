@@ -746,6 +746,22 @@ def test_pinned_models_are_never_victims(world: Callable[[str], World], timeline
 
 # --- 5. no over-eviction (and the pool writes nothing while nobody waits) ----------------------------
 
+SETTLE_SECONDS = 5.0
+
+
+def _pool_settled(watch: Watch, pool: str, since: float, timeout: float = 60.0) -> tuple[float, int]:
+    """(when the pool's status had last changed, once it has then held for SETTLE_SECONDS; the writes
+    seen after ``since`` until then). Fails if it never holds that long: that would be a hot loop."""
+    key = f"pool/{pool}"
+    deadline = time.monotonic() + timeout
+    while True:
+        versions = [(s.t, s.pools[key].resource_version) for s in watch.during(since)]  # type: ignore[union-attr]
+        changed_at = max((t for (t, v), (_, before) in zip(versions[1:], versions[:-1], strict=True) if v != before), default=since)
+        if time.monotonic() - changed_at >= SETTLE_SECONDS:
+            return changed_at, len({v for _, v in versions}) - 1
+        assert time.monotonic() < deadline, f"the pool's status never held for {SETTLE_SECONDS}s: {versions}"
+        time.sleep(0.5)
+
 
 @pytest.mark.timeout(300)
 def test_one_waiter_yields_exactly_one_of_three_idle_holders_and_an_idle_pool_writes_nothing(
@@ -774,10 +790,13 @@ def test_one_waiter_yields_exactly_one_of_three_idle_holders_and_an_idle_pool_wr
         ("yielding empty, a restored", settled)], t0)
     # Quiet: nobody waits now. While c's lease ends (KEDA rewrites its ScaledObject's status every poll
     # while it is active) and then for an idle minute, the pool's status is not rewritten; b and d keep
-    # their GPUs throughout (over a minute after c was served).
-    time.sleep(1.0)
-    quiet_from = time.monotonic()
+    # their GPUs throughout (over a minute after c was served). Right after the transition Metacontroller
+    # may still answer from a cached copy of the pool a write or two old (it applies a status computed
+    # from its cache; a CI run saw the condition's lastTransitionTime set back and forth four times
+    # within seconds): the quiet minute starts once the status has held for SETTLE_SECONDS.
+    quiet_from, settling_writes = _pool_settled(watch, pool, settled)
     version = watch.last.pools[f"pool/{pool}"].resource_version  # type: ignore[union-attr]
+    timeline.note(f"pool status settled {quiet_from - settled:.1f}s after the yield ended ({settling_writes} writes)")
     w.wait_idle("c", past_yield_after=False)
     calls = cluster.hook_calls()
     time.sleep(60.0)
