@@ -106,7 +106,7 @@ class Gateway:
         threading.Thread(target=self._read_stream, daemon=True).start()
 
     def worker_pid(self) -> int:
-        """The (single) worker process: RSS is measured there, not in the supervisor."""
+        """The (single) worker process: RSS is measured there, not in a supervisor."""
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -119,7 +119,7 @@ class Gateway:
                 continue
             if ppid == self.proc.pid and b"scaler" not in cmdline:
                 return int(entry)
-        raise RuntimeError("no gateway worker process")
+        return self.proc.pid  # one worker is the whole Pod: the gateway process itself (gateway.workers)
 
     def _read_stream(self) -> None:
         try:

@@ -2,9 +2,10 @@
 
 Run: .venv/bin/python -m bench.scaler_bench [--rounds N] [--pushes N]
 
-The scaler runs in a separate process (bench/scaler_host.py), once natively (the aggregate
-scaler, and the `python -m scaler local` child a single gateway runs) and once inside a
-gevent-monkey-patched process (grpc's gevent mode: the design the gateway measured and rejected). The
+The scaler runs in a separate process (bench/scaler_host.py), three times: grpcio natively (the
+aggregate scaler, and the `python -m scaler local` child of a multi-worker gateway), grpcio inside a
+gevent-monkey-patched process (grpc's gevent mode: the design the gateway measured and rejected), and
+h2 on a gevent loop (scaler/h2server.py: the one-worker gateway's in-process scaler). The
 client here issues 200 concurrent unary calls (GetMetrics / IsActive alternating, as grpc futures
 from one thread so the client's own threads don't add queueing) with 0 streams open (baseline) and
 with 128 StreamIsActive streams open (baseline measured before and after: A-B-A), and reports
@@ -41,8 +42,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Host:
-    def __init__(self, gevent: bool) -> None:
-        args = [sys.executable, "-m", "bench.scaler_host"] + (["--gevent"] if gevent else [])
+    def __init__(self, flag: str) -> None:
+        args = [sys.executable, "-m", "bench.scaler_host"] + ([flag] if flag else [])
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1)
@@ -153,8 +154,8 @@ class StreamReaders:
             t.join(10)
 
 
-def run_mode(gevent: bool, rounds: int, pushes: int) -> dict[str, float]:
-    host = Host(gevent)
+def run_mode(flag: str, rounds: int, pushes: int) -> dict[str, float]:
+    host = Host(flag)
     results: dict[str, float] = {}
     try:
         with grpc.insecure_channel(f"127.0.0.1:{host.port}") as channel:
@@ -206,9 +207,12 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(f"scaler bench: {CONCURRENT} concurrent unary calls x {args.rounds} rounds; {STREAMS} open streams; "
           f"{args.pushes} publishes; {os.cpu_count()} CPUs; load average {load:.2f} at start")
-    for label, gevent in (("native threads (aggregate scaler, gateway scaler child)", False), ("gevent-patched (grpc gevent mode, not used by the gateway)", True)):
+    modes = (("grpcio, native threads (aggregate scaler, multi-worker gateway's scaler child)", ""),
+             ("grpcio, gevent-patched (grpc gevent mode, not used by the gateway)", "--gevent"),
+             ("h2 on a gevent loop (one-worker gateway, in process)", "--h2"))
+    for label, flag in modes:
         t0 = time.monotonic()
-        r = run_mode(gevent, args.rounds, args.pushes)
+        r = run_mode(flag, args.rounds, args.pushes)
         print(f"\n[{label}] ({time.monotonic() - t0:.1f} s)")
         print(f"  unary, 0 streams:     p50 {r['base_p50'] * ms:7.2f} ms   p99 {r['base_p99'] * ms:7.2f} ms"
               f"   server CPU {r['base_cpu_us']:4.0f} us/call")

@@ -1,7 +1,8 @@
-"""Benchmark helper process: hosts the gRPC ExternalScaler over a DemandBroadcaster, natively or
-inside a gevent-monkey-patched process (the gateway's local mode), driven over stdin/stdout.
+"""Benchmark helper process: hosts the gRPC ExternalScaler over a DemandBroadcaster with grpcio
+natively, with grpcio inside a gevent-monkey-patched process, or with h2 on a gevent loop (the
+one-worker gateway's in-process scaler), driven over stdin/stdout.
 
-Usage: python -m bench.scaler_host [--gevent]
+Usage: python -m bench.scaler_host [--gevent | --h2]
 Prints "PORT <n>". Commands (one per line): "publish <queued> <in_flight> <lease 0|1>" answers
 "published <time.monotonic()>" (CLOCK_MONOTONIC is system-wide on Linux, so the benchmark compares
 it with its own receive times); "streams" answers "streams <open>"; "stop" ends streams with OK.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 
 GEVENT = "--gevent" in sys.argv
+H2 = "--h2" in sys.argv
 if GEVENT:
     from gevent import monkey
 
@@ -25,8 +27,13 @@ from scaler.service import start_scaler_server  # noqa: E402
 
 def main() -> int:
     broadcaster = DemandBroadcaster()
-    server = start_scaler_server(broadcaster, 0, host="127.0.0.1")
-    if GEVENT:
+    if H2:
+        from scaler.h2server import start_h2_scaler_server
+
+        server = start_h2_scaler_server(broadcaster, 0, host="127.0.0.1")
+    else:
+        server = start_scaler_server(broadcaster, 0, host="127.0.0.1")
+    if GEVENT or H2:
         import gevent
 
         def readline() -> str:

@@ -1,6 +1,14 @@
-"""``python -m gateway``: a supervisor and ``NOCTAYA_GATEWAY_WORKERS`` worker processes.
+"""``python -m gateway``: one process for one worker, or a supervisor and ``NOCTAYA_GATEWAY_WORKERS``
+worker processes.
 
-The supervisor (this module, plain threads, no gevent) creates the Pod's shared state
+**One worker** (the default where the Pod's CPU limit or request rounds to one core, as rendered):
+the worker is the whole Pod. It serves HTTP on its gevent loop, samples its own demand in an OS
+thread, and serves KEDA's ExternalScaler on the same loop with h2 (``scaler.h2server``): one
+process, no supervisor and no scaler child, so an idle Pod costs one interpreter (docs/benchmarks.md,
+"Idle footprint"). A crash ends the process and the kubelet restarts the container; its admission
+slots die with it, so none leak.
+
+**Several workers:** the supervisor (this module, plain threads, no gevent) creates the Pod's shared state
 (``gateway.state.pod``), one ``SO_REUSEPORT`` listening socket per worker on the same port, and forks
 the workers; each worker runs its own gevent loop over its own socket (the kernel spreads new
 connections across them). The supervisor then owns everything that is one per Pod:
@@ -49,6 +57,8 @@ KILL_MARGIN_SECONDS = 10.0  # after the drain grace + this: workers still alive 
 # its waits all the same: a long one while serving, a short one while draining (the kill deadline).
 IDLE_WAIT_SECONDS = 5.0
 DRAIN_WAIT_SECONDS = 0.05
+SCALER_STOP_GRACE_SECONDS = 5.0
+IN_PROCESS_STREAM_WAIT_SECONDS = 30.0
 GC_THRESHOLD = 50_000  # young-generation allocations between cyclic collections (see run_worker)
 _PR_SET_PDEATHSIG = 1
 
@@ -70,10 +80,12 @@ def raise_file_limit() -> int:
 Listeners = tuple[std_socket.socket, std_socket.socket]  # (public, admin) of one worker
 
 
-def run_worker(config: GatewayConfig, pod: PodState, index: int, listeners: Listeners) -> int:
-    """Body of a forked worker: serve until SIGTERM has drained it."""
-    gevent.reinit()
-    reseed_request_ids()  # forked workers must not hand out the same ids
+def run_worker(config: GatewayConfig, pod: PodState, index: int, listeners: Listeners, *, forked: bool = True) -> int:
+    """Body of a worker (forked, or the one-worker Pod's only process): serve until SIGTERM has
+    drained it."""
+    if forked:
+        gevent.reinit()
+        reseed_request_ids()  # forked workers must not hand out the same ids
     app = GatewayApp(config, pod=pod, worker=index)
     public, admin = listeners
     server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
@@ -221,14 +233,7 @@ class Supervisor:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.close(wake_r)
             os.close(wake_w)
-        sampler.withdraw()
-        for step in shutdown_steps:
-            try:
-                step()
-            except Exception:  # one failing step must not keep the process alive
-                log.exception("shutdown step failed")
-        sampler.stop()
-        log.info("drained")
+        _shut_down(shutdown_steps, sampler)
         return 0
 
 
@@ -254,14 +259,32 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: PodState) -> list[Callable[[], None]]:
+def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: PodState, *,
+                  in_process: bool = False) -> list[Callable[[], None]]:
     """Start the demand sink of the configured scaler mode; returns its shutdown steps. Either
-    records in `pod` when demand was pushed active (the workers time activations by it)."""
+    records in `pod` when demand was pushed active (the workers time activations by it). In
+    ``local`` mode a one-worker Pod serves the ExternalScaler on its own gevent loop
+    (``in_process``); a supervisor runs it as a child process, on a core of its own."""
     if config.scaler_mode == "local":
+        if in_process:
+            from scaler.externalscaler import ScalerSettings
+            from scaler.h2server import start_h2_scaler_server
+            from scaler.tls import TLSFiles
+
+            tls = None
+            if config.scaler_tls_cert_file and config.scaler_tls_key_file and config.scaler_tls_ca_file:
+                tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
+            # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that
+            # long only bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
+            settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
+                                      wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
+            server = start_h2_scaler_server(broadcaster, config.scaler_port, host=config.listen_host,
+                                            settings=settings, tls=tls, on_activated=pod.mark_pushed)
+            return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
         from gateway.scaler_process import ScalerProcess
 
         scaler = ScalerProcess(config, broadcaster, pod.mark_pushed).start()
-        return [lambda: scaler.stop(grace=5.0)]
+        return [lambda: scaler.stop(grace=SCALER_STOP_GRACE_SECONDS)]
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
 
@@ -271,6 +294,44 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
                                   ca_file=config.aggregator_ca_file, on_pushed=pod.mark_pushed).start()
         return [lambda: reporter.stop(withdraw=True)]
     return []
+
+
+def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler) -> None:
+    """After the last worker drained: withdraw the Pod's demand, stop the scaler, stop sampling."""
+    sampler.withdraw()
+    for step in steps:
+        try:
+            step()
+        except Exception:  # one failing step must not keep the process alive
+            log.exception("shutdown step failed")
+    sampler.stop()
+    log.info("drained")
+
+
+def run_single(config: GatewayConfig) -> int:
+    """The one-worker Pod: this process serves, samples its demand and answers KEDA (see above)."""
+    pod = PodState(1, config.max_queue, config.max_held_body_bytes)
+    broadcaster = DemandBroadcaster()
+    try:
+        # Not SO_REUSEPORT: a second gateway process on the same port must fail, not share it.
+        listeners = (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
+                     listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
+    except OSError as exc:
+        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+        return 1
+    try:
+        steps = _start_scaler(config, broadcaster, pod, in_process=True)
+    except Exception as exc:
+        log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
+        return 1
+    sampler = DemandSampler(pod, broadcaster).start()
+    log.info("gateway listening", extra={"port": listeners[0].getsockname()[1],
+                                         "admin_port": listeners[1].getsockname()[1], "workers": 1,
+                                         "backend": config.backend_netloc})
+    try:
+        return run_worker(config, pod, 0, listeners, forked=False)
+    finally:
+        _shut_down(steps, sampler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -286,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning("open-file limit below what max connections need",
                     extra={"limit": files, "max_connections": config.max_connections})
     workers = config.gateway_workers or default_workers(cgroup_root())
+    if workers == 1:
+        return run_single(config)
     supervisor = Supervisor(config, workers)
     try:
         supervisor.start()  # fork before any thread exists in this process

@@ -1,58 +1,47 @@
-"""KEDA ExternalScaler servicer over a DemandBroadcaster, and the server that hosts it.
+"""The ExternalScaler (``scaler.externalscaler``) served by grpcio: the aggregate scaler, and the
+scaler child of a multi-worker gateway (``python -m scaler local``, see gateway/scaler_process.py).
 
-Behaviour that KEDA relies on (SPEC §7):
-
-* StreamIsActive sends the current state as soon as it opens and pushes every change of the
-  active flag at once; while active it re-sends ``true`` every ``resend_interval`` (KEDA refreshes
-  its cooldown clock on each push, and each message costs it API calls, hence the bound). Right
-  after a flip to active the re-sends come sooner, ``activation_resend`` s later and doubling up to
-  ``resend_interval``: KEDA scales 0→1 on each ``true`` it gets while at zero, and one scale-up
-  lost to a write conflict (seen against real KEDA, a second after its own 1→0) must cost a cold
-  request a fraction of a second, not the whole interval. Demand
-  counts changing while the flag stays the same are not pushed: they reach KEDA through
-  GetMetrics. A stream never ends with an error because the demand source failed (KEDA backs off
-  up to 60 s after a broken stream); it ends with OK when the server stops.
-* IsActive, GetMetricSpec and GetMetrics answer from memory. grpcio's sync server holds one pool
-  thread per open stream, so streams run on their own pool (grpcio's per-handler
-  ``experimental_thread_pool`` hook) and unary calls on a small separate one: streams can never
-  take a unary thread. Streams beyond ``max_streams`` are refused with RESOURCE_EXHAUSTED. (If a
-  grpcio without that hook is installed, one pool of ``max_streams + unary_workers`` is used.)
-* StreamMetricSpec answers UNIMPLEMENTED: the spec is static, KEDA then silently keeps polling
-  GetMetricSpec, and no pool thread is spent holding a stream that would never send twice.
+Unary calls run on a small pool and streams on their own pool, so open streams can never take a
+unary thread (if a grpcio without the per-handler pool hook is installed, one pool of
+``max_streams + unary_workers`` is used).
 
 In a gevent-monkey-patched process grpc must run in gevent mode
 (``grpc.experimental.gevent.init_gevent()``, done by ``start_scaler_server``): grpc's pool
-"threads" are then greenlets that wait on the broadcaster cooperatively. The gateway itself does not
-use that mode (it runs ``python -m scaler local`` as a child process, see gateway/scaler_process.py,
-because grpc's gevent mode costs about twice the CPU per call); it stays supported and tested for
+"threads" are then greenlets that wait on the broadcaster cooperatively. The gateway does not use
+that mode (grpc's gevent mode costs about twice the CPU per call; a one-worker gateway serves the
+scaler with h2 on its own loop instead, ``scaler.h2server``); it stays supported and tested for
 embedding the scaler in another gevent program.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
-from scaler.demand import Demand, DemandBroadcaster
+from scaler.demand import DemandBroadcaster
+from scaler.externalscaler import (
+    ExternalScalerServicer,
+    ScalerCollector,
+    ScalerSettings,
+    Status,
+    validate_metric_name,
+)
 from scaler.tls import TLSFiles, server_credentials
 
 if TYPE_CHECKING:
-    from prometheus_client.core import Metric
     from prometheus_client.registry import Collector
 
 __all__ = [
     "ExternalScalerServicer",
+    "GrpcioServicer",
     "ScalerServer",
     "ScalerSettings",
     "ensure_grpc_gevent_compat",
@@ -62,250 +51,53 @@ __all__ = [
 
 log = logging.getLogger("noctaya.scaler")
 
-# Path-safe: the HPA puts the metric name into external.metrics.k8s.io URL paths.
-_METRIC_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-# KEDA prefixes trigger metric names with "s<index>-"; it strips that before asking us, but an
-# older or future caller that does not is still answered.
-_KEDA_PREFIX_RE = re.compile(r"^s\d+-")
-TARGET_METADATA_KEY = "targetPerReplica"  # scaling.targetPerReplica, in the external-push trigger metadata
-MAX_TARGET = 1_000_000
+
+class _GrpcioContext:
+    """grpc's context behind the servicer's RpcContext: our status codes become grpc's."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def abort(self, code: Status, details: str) -> NoReturn:
+        self._context.abort(grpc.StatusCode[code.name], details)
+        raise AssertionError("grpc's abort returned")  # pragma: no cover - it always raises
+
+    def is_active(self) -> bool:
+        return self._context.is_active()
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return self._context.add_callback(callback)
 
 
-def validate_metric_name(name: str) -> str:
-    if not _METRIC_NAME_RE.match(name):
-        raise ValueError(
-            f"metric name {name!r} must be 1-63 lowercase letters, digits or '-', starting and ending "
-            "with a letter or digit"
-        )
-    return name
+class GrpcioServicer(pb_grpc.ExternalScalerServicer):
+    """The servicer's RPCs as grpcio calls them. grpcio's sync server holds one pool thread per
+    open stream, so with ``stream_pool`` StreamIsActive runs on a pool of its own (grpcio's
+    per-handler ``experimental_thread_pool`` hook) and unary calls on a small separate one: streams
+    can never take a unary thread."""
 
-
-@dataclass(frozen=True, slots=True)
-class ScalerSettings:
-    metric_name: str = "noctaya-demand"
-    target: int = 10
-    resend_interval: float = 5.0  # re-send `true` at most this often while active
-    activation_resend: float = 0.25  # first re-send after a flip to active, doubling up to resend_interval
-    max_streams: int = 256  # open StreamIsActive streams (KEDA opens one per ScaledObject trigger)
-    unary_workers: int = 4  # unary handlers never block: a few threads beat many (less GIL convoy)
-    max_pending_rpcs: int = 1024  # unary calls queued beyond the workers before RESOURCE_EXHAUSTED
-    wait_slice: float = 1.0  # upper bound of one wait, so a missed interrupt costs at most this
-
-    def __post_init__(self) -> None:
-        validate_metric_name(self.metric_name)
-        if isinstance(self.target, bool) or not isinstance(self.target, int) or self.target < 1:
-            raise ValueError("target must be an int >= 1")
-        if self.resend_interval <= 0 or self.wait_slice <= 0 or self.activation_resend <= 0:
-            raise ValueError("resend_interval, activation_resend and wait_slice must be > 0")
-        if self.max_streams < 1 or self.unary_workers < 1 or self.max_pending_rpcs < 0:
-            raise ValueError("max_streams and unary_workers must be >= 1, max_pending_rpcs >= 0")
-
-
-class _RateLimitedLog:
-    """At most one log line per ``interval`` seconds, with a count of what was suppressed: a
-    demand source failing in a loop must not flood the logs."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._lock = threading.Lock()
-        self._last = -1e18
-        self._suppressed = 0
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last < self._interval:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed, self._last = self._suppressed, 0, now
-        log.warning(msg + " (%d similar suppressed)", *args, suppressed)
-
-
-class ExternalScalerServicer(pb_grpc.ExternalScalerServicer):
-    def __init__(
-        self,
-        source: DemandBroadcaster,
-        settings: ScalerSettings,
-        stream_pool: futures.ThreadPoolExecutor | None = None,
-        on_activated: Callable[[float], None] | None = None,
-    ) -> None:
-        # Called with the monotonic time (from a stream's thread) each time a stream tells KEDA `true` after `false` or
-        # nothing: the moment demand was pushed, which the gateway times activations by.
-        self._on_activated = on_activated
+    def __init__(self, logic: ExternalScalerServicer, stream_pool: futures.ThreadPoolExecutor | None = None) -> None:
+        self.logic = logic
         if stream_pool is not None:
-            # grpcio runs a handler whose behaviour carries `experimental_thread_pool` on that pool:
-            # streams get their own pool and can never occupy the threads of unary calls.
-            self.StreamIsActive = _on_pool(self._stream_is_active, stream_pool)  # type: ignore[method-assign]
-        self._source = source
-        self._settings = settings
-        self._stopping = False
-        self._streams_lock = threading.Lock()
-        self._open_streams = 0
-        self._last_good: Demand | None = None
-        self._source_errors = _RateLimitedLog()
-        self._counters_lock = threading.Lock()
-        self._source_error_count = 0
-        self._pushes = 0
-
-    @property
-    def source_error_count(self) -> int:
-        return self._source_error_count
-
-    @property
-    def pushes(self) -> int:
-        return self._pushes
-
-    def _count(self, *, pushes: int = 0, errors: int = 0) -> None:
-        with self._counters_lock:
-            self._pushes += pushes
-            self._source_error_count += errors
-
-    # -- lifecycle -----------------------------------------------------------------------------
-
-    @property
-    def open_streams(self) -> int:
-        with self._streams_lock:
-            return self._open_streams
-
-    def begin_shutdown(self) -> None:
-        """Make every open stream return (status OK) promptly."""
-        self._stopping = True
-        self._interrupt()
-
-    def _interrupt(self) -> None:
-        interrupt = getattr(self._source, "interrupt_waiters", None)
-        if interrupt is not None:
-            try:
-                interrupt()
-            except Exception:  # a broken source must not break shutdown; wait_slice bounds it
-                pass
-
-    # -- demand access that never raises ---------------------------------------------------------
-
-    def _demand_for_unary(self, context: grpc.ServicerContext) -> Demand:
-        try:
-            demand = self._source.current()
-        except Exception as exc:
-            self._count(errors=1)
-            self._source_errors.warning("demand source failed: %s", type(exc).__name__)
-            if self._last_good is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "demand not known yet")
-            return self._last_good
-        self._last_good = demand
-        return demand
-
-    # -- RPCs ------------------------------------------------------------------------------------
+            self.StreamIsActive = _on_pool(self.StreamIsActive, stream_pool)  # type: ignore[method-assign]
 
     def IsActive(self, request: pb.ScaledObjectRef, context: grpc.ServicerContext) -> pb.IsActiveResponse:
-        return pb.IsActiveResponse(result=self._demand_for_unary(context).active)
+        return self.logic.IsActive(request, _GrpcioContext(context))
 
-    def GetMetricSpec(
-        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
-    ) -> pb.GetMetricSpecResponse:
-        return pb.GetMetricSpecResponse(metricSpecs=[self._metric_spec(request, context)])
-
-    def _metric_spec(self, request: pb.ScaledObjectRef, context: grpc.ServicerContext) -> pb.MetricSpec:
-        # The per-replica target travels in the trigger's metadata (rendered from
-        # scaling.targetPerReplica), so retuning rewrites the ScaledObject and never rolls the gateways
-        # (which would drop held requests). The configured target serves older ScaledObjects.
-        target = self._settings.target
-        raw = request.scalerMetadata.get(TARGET_METADATA_KEY)
-        if raw is not None:
-            if not raw.isdigit() or not 1 <= int(raw) <= MAX_TARGET:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"trigger metadata {TARGET_METADATA_KEY} must be an integer in 1..{MAX_TARGET}, "
-                              f"got {raw[:20]!r}")
-            target = int(raw)
-        return pb.MetricSpec(
-            metricName=self._settings.metric_name, targetSize=target, targetSizeFloat=float(target)
-        )
+    def GetMetricSpec(self, request: pb.ScaledObjectRef, context: grpc.ServicerContext) -> pb.GetMetricSpecResponse:
+        return self.logic.GetMetricSpec(request, _GrpcioContext(context))
 
     def GetMetrics(self, request: pb.GetMetricsRequest, context: grpc.ServicerContext) -> pb.GetMetricsResponse:
-        requested = request.metricName
-        ours = self._settings.metric_name
-        if requested not in ("", ours) and _KEDA_PREFIX_RE.sub("", requested, count=1) != ours:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown metric {requested[:100]!r}; serving {ours!r}")
-        total = self._demand_for_unary(context).total
-        return pb.GetMetricsResponse(
-            metricValues=[pb.MetricValue(metricName=requested or ours, metricValue=total,
-                                         metricValueFloat=float(total))]
-        )
+        return self.logic.GetMetrics(request, _GrpcioContext(context))
 
-    def StreamMetricSpec(
-        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
-    ) -> Iterator[pb.GetMetricSpecResponse]:
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "metric spec is static; poll GetMetricSpec")
-        yield from ()  # pragma: no cover - makes this a generator like every streaming handler
+    def StreamIsActive(self, request: pb.ScaledObjectRef,
+                       context: grpc.ServicerContext) -> Iterator[pb.IsActiveResponse]:
+        return self.logic.StreamIsActive(request, _GrpcioContext(context))
 
-    def StreamIsActive(
-        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
-    ) -> Iterator[pb.IsActiveResponse]:
-        return self._stream_is_active(request, context)
-
-    def _stream_is_active(
-        self, request: pb.ScaledObjectRef, context: grpc.ServicerContext
-    ) -> Iterator[pb.IsActiveResponse]:
-        with self._streams_lock:
-            admitted = not self._stopping and self._open_streams < self._settings.max_streams
-            if admitted:
-                self._open_streams += 1
-        if not admitted:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many open StreamIsActive streams")
-        try:
-            # A client going away wakes us so its pool thread is freed now, not at the next push.
-            context.add_callback(self._interrupt)
-            yield from self._stream_active(context)
-        finally:
-            with self._streams_lock:
-                self._open_streams -= 1
-
-    def _stream_active(self, context: grpc.ServicerContext) -> Iterator[pb.IsActiveResponse]:
-        settings = self._settings
-        # Only flips of the active flag (and the resend timer) wake a stream, not every count change.
-        seen_version = -1  # no version is -1: the first wait returns the current state at once
-        sent: bool | None = None
-        sent_at = 0.0
-        gap = settings.resend_interval  # until the next re-send of `true`
-        backoff = 0.05
-        while not self._stopping and context.is_active():
-            if sent:
-                timeout = max(0.0, min(settings.wait_slice, sent_at + gap - time.monotonic()))
-            else:
-                timeout = settings.wait_slice
-            try:
-                seen_version, demand = self._source.wait_for_activity_change(seen_version, timeout)
-            except Exception as exc:
-                # Transient by assumption: log, back off briefly, keep the stream open.
-                self._count(errors=1)
-                self._source_errors.warning("demand source failed in StreamIsActive: %s", type(exc).__name__)
-                self._sleep_unless_stopping(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.05
-            self._last_good = demand
-            if self._stopping or not context.is_active():
-                break
-            active = demand.active
-            now = time.monotonic()
-            if active != sent or (active and now - sent_at >= gap):
-                if active:  # a flip (or a stream opening while active) re-sends soon; re-sends back off
-                    gap = min(settings.activation_resend if not sent else gap * 2, settings.resend_interval)
-                flipped = active and not sent
-                sent, sent_at = active, now
-                self._count(pushes=1)
-                yield pb.IsActiveResponse(result=active)
-                if flipped and self._on_activated is not None:
-                    try:
-                        # The time it was handed to gRPC: this generator resumes only when gRPC asks
-                        # for the next message, which can be much later on a busy process.
-                        self._on_activated(now)
-                    except Exception:  # a broken observer must never end KEDA's stream
-                        log.exception("on_activated failed")
-
-    def _sleep_unless_stopping(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self._stopping and (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(left, 0.05))
+    def StreamMetricSpec(self, request: pb.ScaledObjectRef,
+                         context: grpc.ServicerContext) -> Iterator[pb.GetMetricSpecResponse]:
+        return self.logic.StreamMetricSpec(request, _GrpcioContext(context))
 
 
 def _on_pool(handler: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> Callable[..., Any]:
@@ -378,25 +170,7 @@ class ScalerServer:
     def collector(self) -> Collector:
         """Prometheus collector of this server's stream/push/error counts (register it where the
         process exposes /metrics)."""
-        return _ScalerCollector(self.servicer)
-
-
-class _ScalerCollector:
-    """Registered by the aggregate scaler only: prometheus-client is imported when it is collected, so
-    a gateway's `python -m scaler local` child, which has no /metrics, never loads it (~6 MiB)."""
-
-    def __init__(self, servicer: ExternalScalerServicer) -> None:
-        self._servicer = servicer
-
-    def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        yield GaugeMetricFamily("noctaya_scaler_streams_open", "Open StreamIsActive streams",
-                                value=self._servicer.open_streams)
-        yield CounterMetricFamily("noctaya_scaler_pushes", "IsActive messages sent on streams",
-                                  value=self._servicer.pushes)
-        yield CounterMetricFamily("noctaya_scaler_demand_source_errors", "Failed reads of the demand source",
-                                  value=self._servicer.source_error_count)
+        return ScalerCollector(self.servicer)
 
 
 def start_scaler_server(
@@ -428,7 +202,7 @@ def start_scaler_server(
         stream_pool = None
         pool = futures.ThreadPoolExecutor(settings.max_streams + settings.unary_workers,
                                           thread_name_prefix="noctaya-scaler")
-    servicer = ExternalScalerServicer(broadcaster, settings, stream_pool, on_activated)
+    servicer = ExternalScalerServicer(broadcaster, settings, on_activated)
     server = grpc.server(
         pool,
         maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers + settings.max_pending_rpcs,
@@ -438,7 +212,7 @@ def start_scaler_server(
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ],
     )
-    pb_grpc.add_ExternalScalerServicer_to_server(servicer, server)
+    pb_grpc.add_ExternalScalerServicer_to_server(GrpcioServicer(servicer, stream_pool), server)
     address = f"{host}:{port}"
     pools = [p for p in (pool, stream_pool) if p is not None]
     try:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-
-import grpc
+from typing import TYPE_CHECKING
 
 from scaler.secretfiles import file_stamp
+
+if TYPE_CHECKING:
+    import grpc
 
 __all__ = ["TLSFiles", "TLSConfigError", "ReloadingServerContext", "check_served_certificate", "server_credentials",
            "tls_files_from_env"]
@@ -76,6 +78,8 @@ def tls_files_from_env(env: Mapping[str, str]) -> TLSFiles | None:
 
 
 def _certificate_configuration(files: TLSFiles) -> grpc.ServerCertificateConfiguration:
+    import grpc  # here, not at the top: a one-worker gateway serves mTLS without grpcio (scaler.h2server)
+
     cert, key, ca = files.read()
     return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
@@ -86,6 +90,8 @@ def server_credentials(files: TLSFiles, *, reload: bool = True) -> grpc.ServerCr
     With ``reload`` the files are checked at each new handshake and re-read when they changed; a
     half-written or broken update keeps the previous (working) material and is logged.
     """
+    import grpc
+
     initial = _certificate_configuration(files)  # fail fast at startup on bad material
     if not reload:
         cert, key, ca = files.read()
@@ -110,33 +116,57 @@ def server_credentials(files: TLSFiles, *, reload: bool = True) -> grpc.ServerCr
 
 
 class ReloadingServerContext:
-    """An ``ssl.SSLContext`` for a plain TLS server (the report channel), rebuilt when the
-    certificate or key file changes; ``current()`` is asked at each new connection. Material that
-    cannot be loaded (a half-written rotation) keeps the last good context and is logged once."""
+    """An ``ssl.SSLContext`` for a TLS server, rebuilt when its files change; ``current()`` is asked
+    at each new connection. Material that cannot be loaded (a half-written rotation) keeps the last
+    good context and is logged once.
 
-    def __init__(self, files: TLSFiles) -> None:
+    Plain server TLS by default (the report channel: gateways authenticate with a bearer token).
+    With ``client_auth`` a client certificate signed by the CA file is required (mutual TLS, as KEDA
+    presents it to the ExternalScaler), and ``alpn`` names the protocols offered (``h2`` for gRPC).
+    ``context_class`` lets a gevent server build cooperative contexts (``gevent.ssl.SSLContext``)."""
+
+    def __init__(self, files: TLSFiles, *, client_auth: bool = False, alpn: Sequence[str] = (),
+                 context_class: Callable[[int], ssl.SSLContext] = ssl.SSLContext) -> None:
         self._files = files
+        self._client_auth = client_auth
+        self._alpn = list(alpn)
+        self._context_class = context_class
         self._lock = threading.Lock()
-        self._stamp = file_stamp(files.cert_file, files.key_file)
-        self._context = self._build()  # fail fast at startup on bad material
+        self._context = self._build()  # fail fast at startup on bad material (naming the file)
+        self._stamp = self._file_stamp()
         self._refused: tuple[object, ...] | None = None  # material that failed to load, not retried
 
+    def _paths(self) -> tuple[str, ...]:
+        files = self._files
+        return (files.cert_file, files.key_file, files.ca_file) if self._client_auth else (files.cert_file, files.key_file)
+
+    def _file_stamp(self) -> tuple[tuple[int, int, int], ...]:
+        return file_stamp(*self._paths())
+
     def _build(self) -> ssl.SSLContext:
-        for path in (self._files.cert_file, self._files.key_file):
+        for path in self._paths():
             _read_pem(path)  # its errors name the file, the ssl module's do not
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context = self._context_class(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
             context.load_cert_chain(self._files.cert_file, self._files.key_file)
         except ssl.SSLError:
             raise TLSConfigError(f"{self._files.cert_file} and {self._files.key_file} do not load as a "
                                  "certificate and its key") from None
+        if self._client_auth:
+            try:
+                context.load_verify_locations(cafile=self._files.ca_file)
+            except ssl.SSLError:
+                raise TLSConfigError(f"{self._files.ca_file} holds no usable CA certificate") from None
+            context.verify_mode = ssl.CERT_REQUIRED
+        if self._alpn:
+            context.set_alpn_protocols(self._alpn)
         return context
 
     def current(self) -> ssl.SSLContext:
         with self._lock:
             try:
-                stamp = file_stamp(self._files.cert_file, self._files.key_file)
+                stamp = self._file_stamp()
             except OSError as exc:
                 self._warn_once(("missing",), f"cannot stat TLS files: {exc.strerror}")
                 return self._context
@@ -144,7 +174,7 @@ class ReloadingServerContext:
                 return self._context
             try:
                 self._context, self._stamp, self._refused = self._build(), stamp, None
-                log.info("report channel TLS material reloaded")
+                log.info("TLS material reloaded")
             except TLSConfigError as exc:
                 self._warn_once(stamp, str(exc))
             return self._context

@@ -86,9 +86,21 @@ def next_value(q: queue.Queue, timeout: float = 10.0):
     return q.get(timeout=timeout)
 
 
-def test_cold_request_pushes_true_on_the_real_stream(backend, channel_factory) -> None:
-    gw = GatewayProcess(backend, NOCTAYA_SCALING_TARGET="4")
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+# One worker: the whole Pod is one process, KEDA served over h2 on its loop (scaler.h2server). Two: a
+# supervisor, its workers and the grpcio scaler child (gateway.scaler_process). KEDA sees the same.
+PROCESS_MODELS = pytest.mark.parametrize("workers,children", [("1", 0), ("2", 3)], ids=["one-process", "supervisor"])
+
+
+@PROCESS_MODELS
+def test_cold_request_pushes_true_on_the_real_stream(backend, channel_factory, workers, children) -> None:
+    gw = GatewayProcess(backend, NOCTAYA_SCALING_TARGET="4", NOCTAYA_GATEWAY_WORKERS=workers)
     try:
+        wait_for(lambda: len(child_pids(gw.proc.pid)) == children, timeout=20, what=f"{children} child processes")
         stub = pb_grpc.ExternalScalerStub(channel_factory(gw.scaler_port))
         assert stub.IsActive(REF, timeout=5).result is False
         spec = stub.GetMetricSpec(REF, timeout=5).metricSpecs[0]
@@ -112,11 +124,12 @@ def test_cold_request_pushes_true_on_the_real_stream(backend, channel_factory) -
         gw.stop()
 
 
-def test_sigterm_drains(backend, channel_factory) -> None:
+@PROCESS_MODELS
+def test_sigterm_drains(backend, channel_factory, workers, children) -> None:
     backend.tokens = 15
     backend.stream_delay = 0.1
     backend.start()
-    gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="20")
+    gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="20", NOCTAYA_GATEWAY_WORKERS=workers)
     try:
         stub = pb_grpc.ExternalScalerStub(channel_factory(gw.scaler_port))
         pushes: queue.Queue = queue.Queue()
@@ -283,7 +296,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def test_scaler_child_is_restarted_and_learns_the_current_demand(backend) -> None:
-    gw = GatewayProcess(backend)
+    gw = GatewayProcess(backend, NOCTAYA_GATEWAY_WORKERS="2")  # a supervisor runs the scaler as a child
     try:
         wait_for(lambda: len(scaler_children(gw.proc.pid)) == 1, timeout=20, what="scaler child started")
         (first,) = scaler_children(gw.proc.pid)
@@ -314,7 +327,7 @@ def test_scaler_child_is_restarted_and_learns_the_current_demand(backend) -> Non
 
 
 def test_scaler_child_never_outlives_a_killed_gateway(backend) -> None:
-    gw = GatewayProcess(backend)
+    gw = GatewayProcess(backend, NOCTAYA_GATEWAY_WORKERS="2")  # a supervisor runs the scaler as a child
     wait_for(lambda: len(scaler_children(gw.proc.pid)) == 1, timeout=20, what="scaler child started")
     (child,) = scaler_children(gw.proc.pid)
     gw.proc.kill()  # SIGKILL: no drain, no cleanup code runs in the gateway

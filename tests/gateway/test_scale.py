@@ -169,7 +169,8 @@ def test_5000_held_cold_streams_all_get_heartbeats_and_complete(file_limit: int)
     streams = Streams()
     backend = None
     try:
-        (worker,) = children(gw.proc.pid)
+        worker = gw.proc.pid  # one worker is the whole Pod (gateway.workers)
+        assert children(worker) == []
         streams.open(gw.port, 1, request_bytes(STREAM_BODY))  # code paths loaded before the baseline
         streams.pump(lambda: streams.count(b": heartbeat") == 1, 30, "the first held stream")
         time.sleep(0.5)
@@ -273,19 +274,22 @@ def test_two_workers_share_one_max_queue_and_keda_sees_one_figure() -> None:
 def test_a_killed_worker_is_replaced_and_its_tickets_return() -> None:
     max_queue = 4
     backend_port = free_port()
-    gw = Gateway(backend_port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_MAX_QUEUE=str(max_queue),
+    # Restarts are the supervisor's: a Pod of several workers (one worker is the whole process).
+    gw = Gateway(backend_port, NOCTAYA_GATEWAY_WORKERS="2", NOCTAYA_MAX_QUEUE=str(max_queue),
                  NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="120")
     socks = []
     backend = None
     try:
-        (worker,) = children(gw.proc.pid)
+        workers = children(gw.proc.pid)
+        assert len(workers) == 2, workers
         for _ in range(max_queue):
             sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
             sock.sendall(request_bytes(BODY))
             socks.append(sock)
         wait_for(lambda: gw.queue()["queued"] == max_queue, timeout=15, what="queue full")
-        os.kill(worker, signal.SIGKILL)
-        wait_for(lambda: [p for p in children(gw.proc.pid) if p != worker], timeout=20, what="a new worker")
+        for worker in workers:  # whichever of them holds the tickets
+            os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: len(set(children(gw.proc.pid)) - set(workers)) == 2, timeout=20, what="two new workers")
 
         def served() -> bool:
             try:

@@ -1,4 +1,4 @@
-"""ExternalScaler behaviour over a real grpc channel on 127.0.0.1."""
+"""ExternalScaler behaviour over a real grpc channel on 127.0.0.1, for both hosts (grpcio and h2 on gevent)."""
 
 from __future__ import annotations
 
@@ -289,8 +289,8 @@ def test_shutdown_ends_every_stream_with_ok(broadcaster, start_server, open_stub
 
 def test_port_in_use_is_an_error(broadcaster, start_server) -> None:
     server = start_server(broadcaster)
-    with pytest.raises(OSError):
-        start_scaler_server(broadcaster, server.port, host="127.0.0.1")
+    with pytest.raises(OSError, match="cannot bind the gRPC scaler"):
+        start_server(broadcaster, server.port)
 
 
 class ThreadRecordingBroadcaster(DemandBroadcaster):
@@ -307,6 +307,7 @@ class ThreadRecordingBroadcaster(DemandBroadcaster):
         return super().wait_for_activity_change(seen_version, timeout)
 
 
+@pytest.mark.parametrize("scaler_host", ["grpcio"])
 def test_streams_and_unary_calls_run_on_separate_pools(start_server, open_stub) -> None:
     source = ThreadRecordingBroadcaster()
     server = start_server(source, max_streams=8, unary_workers=1)
@@ -320,6 +321,7 @@ def test_streams_and_unary_calls_run_on_separate_pools(start_server, open_stub) 
         s.cancel()
 
 
+@pytest.mark.parametrize("scaler_host", ["grpcio"])
 def test_unary_flood_beyond_the_pending_bound_is_refused_not_queued(broadcaster, start_server, open_stub) -> None:
     server = start_server(broadcaster, max_streams=1, unary_workers=1, max_pending_rpcs=2)
     stub = open_stub(server.port)

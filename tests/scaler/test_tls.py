@@ -1,4 +1,5 @@
-"""Mutual TLS of the gRPC scaler, with certificates made at test time by the openssl CLI."""
+"""Mutual TLS of the gRPC scaler (both hosts: grpcio and h2 on gevent), with certificates made at test
+time by the openssl CLI."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from scaler.demand import Demand, DemandBroadcaster
-from scaler.service import start_scaler_server
 from scaler.tls import TLSConfigError, TLSFiles, tls_files_from_env
 from tests.pki import make_ca, make_leaf
+
+from .conftest import start_scaler
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
@@ -50,14 +52,14 @@ def _stub(port: int, pki: Path, client: str | None, ca: str = "ca") -> tuple[grp
 
 
 @pytest.fixture
-def mtls_server(pki: Path, tmp_path: Path):
+def mtls_server(pki: Path, tmp_path: Path, scaler_host: str):
     # Copies, so the rotation test can replace them like a Secret volume update.
     live = tmp_path / "live"
     live.mkdir()
     for src, dst in (("server.crt", "tls.crt"), ("server.key", "tls.key"), ("ca.crt", "ca.crt")):
         shutil.copyfile(pki / src, live / dst)
     files = TLSFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt"))
-    server = start_scaler_server(DemandBroadcaster(Demand(queued=1)), 0, host="127.0.0.1", tls=files)
+    server = start_scaler(scaler_host, DemandBroadcaster(Demand(queued=1)), tls=files)
     yield server, live
     server.stop(1.0)
 
@@ -110,13 +112,12 @@ def test_env_needs_all_three_files(pki) -> None:
     assert files == TLSFiles("a", "b", "c")
 
 
-def test_unreadable_material_fails_at_start_without_leaking_content(pki, tmp_path) -> None:
+def test_unreadable_material_fails_at_start_without_leaking_content(pki, tmp_path, scaler_host) -> None:
     bogus = tmp_path / "bogus.key"
     bogus.write_text("SECRET-BYTES not a pem")
     files = TLSFiles(str(pki / "server.crt"), str(bogus), str(pki / "ca.crt"))
     with pytest.raises(TLSConfigError) as err:
-        start_scaler_server(DemandBroadcaster(), 0, host="127.0.0.1", tls=files)
+        start_scaler(scaler_host, DemandBroadcaster(), tls=files)
     assert "SECRET-BYTES" not in str(err.value)
     with pytest.raises(TLSConfigError):
-        start_scaler_server(DemandBroadcaster(), 0, host="127.0.0.1",
-                            tls=TLSFiles(str(tmp_path / "nope"), str(bogus), str(bogus)))
+        start_scaler(scaler_host, DemandBroadcaster(), tls=TLSFiles(str(tmp_path / "nope"), str(bogus), str(bogus)))
