@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import threading
@@ -175,9 +176,12 @@ def test_true_is_resent_soon_after_activation_then_backs_off(broadcaster, start_
             break
     gaps = [b - a for a, b in zip([0.0, *arrivals], arrivals, strict=False)]
     assert arrivals[0] < 0.6, arrivals  # first re-send ~0.1 s after the flip, not resend_interval later
-    # doubling (0.1, 0.2, 0.4, 0.8) up to the steady interval, never faster than scheduled
-    for gap, floor in zip(gaps, (0.1, 0.2, 0.4, 0.8, 1.0, 1.0), strict=True):
-        assert gap >= floor * 0.9, gaps
+    # doubling (0.1, 0.2, 0.4, 0.8) up to the steady interval, never faster than scheduled. Checked on
+    # arrival times from t0 (which precedes the flip): one message delivered late narrows the gap to the
+    # next without anything being sent early (a loaded CI host once saw gaps 0.126, 0.180).
+    schedule = itertools.accumulate((0.1, 0.2, 0.4, 0.8, 1.0, 1.0))
+    for arrival, due in zip(arrivals, schedule, strict=True):
+        assert arrival >= due * 0.95, (arrivals, gaps)
     assert max(gaps) < 1.0 + 1.0, gaps  # capped at resend_interval (plus scheduling slack)
     # a later flip false -> true starts the quick re-sends again
     broadcaster.publish(Demand())
