@@ -151,7 +151,7 @@ class Cluster:
         self.address = self.new_address()
         self.hook_token = os.urandom(24).hex()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._spawned: list[int] = []
+        self._spawned: dict[int, str | None] = {}  # pid -> its start time (see process_start_time)
         self.hosts_file = self.workdir / "hosts"
         self._hosts: dict[str, list[str]] = {HOOK_HOST: [self.address]}
         self._write_hosts()
@@ -179,7 +179,7 @@ class Cluster:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
                                     start_new_session=True)
         self._procs[name] = proc
-        self._spawned.append(proc.pid)
+        self._spawned[proc.pid] = process_start_time(proc.pid)
         return proc
 
     def spawn_with_cluster_names(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -387,9 +387,9 @@ class Cluster:
             _terminate(proc)
         self._procs.clear()
 
-    def pids(self) -> list[int]:
-        """Every process the suite started, running or not."""
-        return list(self._spawned)
+    def pids(self) -> dict[int, str | None]:
+        """Every process the suite started, running or not, with its start time."""
+        return dict(self._spawned)
 
     # --- client ---------------------------------------------------------------------------------
 
@@ -425,6 +425,15 @@ class Cluster:
                 hook = labels.split('hook="', 1)[1].split('"', 1)[0]
                 calls[hook] = calls.get(hook, 0.0) + float(value)
         return calls
+
+
+def process_start_time(pid: int) -> str | None:
+    """When a process started (clock ticks after boot, /proc/<pid>/stat field 22), None once it is gone:
+    with the PID it names one process, where a PID alone may since name any other the kernel gave it to."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _terminate(proc: subprocess.Popen[bytes]) -> None:

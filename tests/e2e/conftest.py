@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary, private_listeners
+from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary, private_listeners, process_start_time
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
 from tests.kube.conftest import crd_names, wait_established
 from tests.kube.gobuild import kwok_binary
@@ -52,7 +52,7 @@ def cluster() -> Iterator[Cluster]:
     plane = ControlPlane(bin_dir)
     plane.start()
     env = None
-    pids: list[int] = []
+    started: dict[int, str | None] = {}  # pid -> start time: a reused PID is not ours
     try:
         files = metacontroller_crds()
         args = [a for f in files for a in ("-f", str(f))]
@@ -70,16 +70,17 @@ def cluster() -> Iterator[Cluster]:
                                          "HOME": str(plane.workdir)})
         env.start_hook_server()
         env.start_metacontroller()
-        pids = [proc.pid for _name, proc in plane._procs]
+        started = {proc.pid: process_start_time(proc.pid) for _name, proc in plane._procs}
         yield env
     finally:
         if env is not None:
-            pids += env.pids()
+            started.update(env.pids())
             env.stop()
         plane.stop()
     # Nothing left behind: no process, no files outside the caches, the machine's hosts file as it was
     # (the bind mount lived in Metacontroller's own mount namespace and ended with it).
-    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+    alive = [pid for pid, at in started.items()
+             if at is not None and process_start_time(pid) == at and not _zombie(pid)]
     assert not alive, f"processes left running: {[(pid, _cmdline(pid)) for pid in alive]}"
     assert not plane.workdir.exists(), f"{plane.workdir} left behind"
     assert not private_listeners(), f"ports still listening: {private_listeners()}"
