@@ -272,7 +272,8 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
             from scaler.tls import TLSFiles
 
             tls = None
-            if config.scaler_tls_cert_file and config.scaler_tls_key_file and config.scaler_tls_ca_file:
+            if config.scaler_tls_cert_file:  # load_config has checked the three files come together
+                assert config.scaler_tls_key_file and config.scaler_tls_ca_file
                 tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
             # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that
             # long only bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
