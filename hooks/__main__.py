@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import filecmp
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -71,8 +73,15 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+# SIGRTMIN makes a hook server process (master or worker) print every thread's stack to its log
+# (docs/troubleshooting.md). faulthandler writes from C, so it answers even when a thread holds the
+# GIL or the process is stuck; gunicorn resets its own signals in each worker, never this one.
+STACK_DUMP_SIGNAL = signal.SIGRTMIN
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     _prepare_multiprocess_metrics()
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )

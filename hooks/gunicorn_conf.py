@@ -9,20 +9,32 @@ each request on a bounded thread pool. The hooks are pure CPU-bound Python, so p
 from worker *processes*; threads only keep a worker responsive. ``gevent`` would buy nothing for a
 server that never waits on I/O of its own.
 
-Known limit (gunicorn's, not ours): a *new* connection that sends nothing holds a worker thread
-for up to 5 s before gunicorn parks it, so a burst of silent connections delays hook calls. Only
-Metacontroller and Prometheus need to reach this server; examples/security restricts it to them.
+Over TLS, gthread alone lets idle connections take every thread: it waits for a connection's first
+bytes before committing a thread, but the TLS ClientHello *is* those bytes, and the thread then
+blocks, without a timeout, in the handshake and in reading a first request that may never come. Go's
+HTTP client makes such connections in normal operation (a connection dialled for a request that an
+idle one served first goes to the client's idle pool unused), and Metacontroller keeps one client per
+hook: four such connections stopped every hook call of an e2e run. :class:`HookWorker` bounds the
+handshake and parks a connection without a request in the poller, as gthread does for plain HTTP.
+
+Known limit (gunicorn's, not ours): a client that sends *part* of a request and stops holds a thread
+until it sends the rest or hangs up. Only Metacontroller and Prometheus need to reach this server;
+examples/security restricts it to them.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import ssl
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from gunicorn.app.base import BaseApplication
+from gunicorn.http import get_parser as http_parser
+from gunicorn.sock import ssl_wrap_socket
+from gunicorn.workers.gthread import _DEFER, ThreadWorker
 
 from scaler.secretfiles import file_stamp
 
@@ -43,6 +55,63 @@ DEFAULT_GRACEFUL_TIMEOUT_SECONDS = 20
 DEFAULT_KEEPALIVE_SECONDS = 95
 # Bound on open connections (active + idle keep-alive) per worker process.
 WORKER_CONNECTIONS = 200
+# A TLS connection's handshake must finish within this, or it is closed.
+TLS_HANDSHAKE_TIMEOUT_SECONDS = 10.0
+# How long a worker thread waits for a new TLS connection's ClientHello, then for its first request,
+# before parking it in the poller. Short: a request on a parked connection costs one poller hop.
+TLS_FIRST_BYTES_WAIT_SECONDS = 0.5
+
+_CLOSED = object()  # handle() closed the connection itself: finish_request only counts it gone
+
+
+class HookWorker(ThreadWorker):
+    """gthread with every step of a new TLS connection bounded (see the module docstring): the
+    handshake has a deadline, and a connection whose first request does not follow its handshake
+    is parked in the poller instead of holding a thread."""
+
+    def handle(self, conn: Any) -> Any:
+        if not self.cfg.is_ssl or conn.initialized:
+            return super().handle(conn)
+        if not conn.wait_for_data(TLS_FIRST_BYTES_WAIT_SECONDS):
+            conn.data_ready = False
+            return _DEFER
+        try:
+            conn.sock.setblocking(True)
+            conn.sock.settimeout(TLS_HANDSHAKE_TIMEOUT_SECONDS)
+            conn.sock = ssl_wrap_socket(conn.sock, self.cfg)
+            if not self.cfg.do_handshake_on_connect:
+                conn.sock.do_handshake()
+        except (OSError, ValueError) as exc:  # ssl.SSLError and a timeout are OSErrors
+            self.log.debug("TLS handshake with %s failed: %s", conn.client, exc)
+            conn.sock.close()
+            return _CLOSED
+        conn.initialized = True
+        conn.parser = http_parser(self.cfg, conn.sock, conn.client)
+        # No request yet: a client's spare keep-alive connection. Wait briefly, then park it; the
+        # poller hands it back (data_ready) when the request comes.
+        conn.data_ready = bool(conn.sock.pending()) or _readable(conn.sock, TLS_FIRST_BYTES_WAIT_SECONDS)
+        if not conn.data_ready:
+            return _DEFER
+        return super().handle(conn)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # A parked connection that never sent a request has nothing in flight: close it at once
+        # instead of keeping the graceful shutdown waiting for its keep-alive timeout.
+        for conn in self.pending_conns:
+            conn.timeout = 0.0
+        super().handle_exit(sig, frame)
+
+    def finish_request(self, conn: Any, fs: Any) -> None:
+        if not fs.cancelled() and fs.exception() is None and fs.result() is _CLOSED:
+            self.nr_conns -= 1
+            return
+        super().finish_request(conn, fs)
+
+
+def _readable(sock: ssl.SSLSocket, timeout: float) -> bool:
+    with selectors.DefaultSelector() as selector:
+        selector.register(sock, selectors.EVENT_READ)
+        return bool(selector.select(timeout))
 
 
 def _child_exit(server: Any, worker: Any) -> None:
@@ -100,7 +169,7 @@ def server_options(
         **tls,
         "bind": bind,
         "workers": workers,
-        "worker_class": "gthread",
+        "worker_class": HookWorker,
         "threads": threads,
         "worker_connections": WORKER_CONNECTIONS,
         "timeout": timeout,

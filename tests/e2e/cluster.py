@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from tests.third_party import SHARED_THIRD_PARTY, BuildFailed, ThirdPartyUnavail
 
 HOOK_HOST = "noctaya-hooks.noctaya-system.svc"
 HOOK_PORT = 8443
+STACK_DUMP_SIGNAL = signal.SIGRTMIN  # hooks.__main__.STACK_DUMP_SIGNAL (not imported: the suite runs it as a process)
 METACONTROLLER_TARBALL_GLOB = "metacontroller-src-*.tar.gz"
 
 
@@ -220,6 +222,8 @@ class Cluster:
                               "--workers", "1", "--tls-cert-file", str(tls_dir / "tls.crt"),
                               "--tls-key-file", str(tls_dir / "tls.key")], env)
         self._wait(lambda: self._hooks_get("/healthz", attempts=1).ok, "hook server", "hooks")
+        self._hook_watchdog = HookServerWatchdog(self)
+        self._hook_watchdog.start()
 
     @property
     def hook_url(self) -> str:
@@ -248,6 +252,24 @@ class Cluster:
                 print(f"hook server: GET {path} took {time.monotonic() - started:.1f}s")
             return resp
         raise AssertionError("unreachable")
+
+    def hook_server_stacks(self) -> str:
+        """Every thread's stack in the hook server's processes (master and workers), as the server's
+        stack-dump signal prints them into its log."""
+        proc = self._procs.get("hooks")
+        if proc is None or proc.poll() is not None:
+            return "(hook server not running)"
+        log = self.workdir / "hooks.log"
+        start = log.stat().st_size
+        for pid in [proc.pid, *_children(proc.pid)]:
+            try:
+                os.kill(pid, STACK_DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+        with open(log, "rb") as fh:
+            fh.seek(start)
+            return fh.read(64 * 1024).decode(errors="replace")
 
     def start_metacontroller(self) -> None:
         """As the ServiceAccount the install binds its RBAC to, in a mount namespace of its own."""
@@ -383,6 +405,9 @@ class Cluster:
         raise RuntimeError(f"{what} not up after {timeout}s: {self.log_tail(log)}")
 
     def stop(self) -> None:
+        watchdog = getattr(self, "_hook_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
         for _name, proc in reversed(list(self._procs.items())):
             _terminate(proc)
         self._procs.clear()
@@ -425,6 +450,57 @@ class Cluster:
                 hook = labels.split('hook="', 1)[1].split('"', 1)[0]
                 calls[hook] = calls.get(hook, 0.0) + float(value)
         return calls
+
+
+def _children(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+class HookServerWatchdog:
+    """Probes the hook server's /healthz every few seconds for the whole session. A probe slower than
+    PROBE_TIMEOUT prints the server's thread stacks once per stall: a hook server that stops answering
+    (two CI runs saw Metacontroller's calls time out) shows where it is stuck, whichever test runs."""
+
+    PERIOD = 3.0
+    PROBE_TIMEOUT = 8.0
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hook-server-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.PROBE_TIMEOUT + 5)
+
+    def _run(self) -> None:
+        stalled = False
+        while not self._stop.wait(self.PERIOD):
+            started = time.monotonic()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    ok = requests.get(f"{self._cluster.hook_url}/healthz", timeout=self.PROBE_TIMEOUT, verify=False).ok
+            except requests.RequestException:
+                ok = False
+            took = time.monotonic() - started
+            if ok:
+                if stalled:
+                    print(f"hook server watchdog: answering again ({took:.1f}s)", flush=True)
+                stalled = False
+            elif not stalled and not self._stop.is_set():
+                stalled = True
+                print(f"hook server watchdog: /healthz failed after {took:.1f}s; thread stacks:\n"
+                      f"{self._cluster.hook_server_stacks()}", flush=True)
 
 
 def process_start_time(pid: int) -> str | None:

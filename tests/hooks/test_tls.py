@@ -117,3 +117,56 @@ def test_hooks_over_https_with_rotated_certificate_and_token(https_server: tuple
     # Plain HTTP is not served on the TLS port.
     with pytest.raises(requests.RequestException):
         requests.get(f"http://127.0.0.1:{port}/healthz", timeout=3).raise_for_status()
+
+
+def test_idle_silent_and_stalled_tls_connections_never_take_every_thread(
+        https_server: tuple[int, Path, Path, Path]) -> None:
+    """One worker with the default 4 threads. Go's HTTP client (Metacontroller) leaves connections
+    that finished their handshake but carry no request in its idle pool; with plain gthread each one
+    held a thread in a blocking read, and four of them stopped every hook call of an e2e run."""
+    from hooks.gunicorn_conf import DEFAULT_THREADS, TLS_HANDSHAKE_TIMEOUT_SECONDS
+
+    port, pki, _mounted, token = https_server
+    ca = str(pki / "ca.crt")
+    base = f"https://127.0.0.1:{port}"
+    service = h.llmservice()
+    context = ssl.create_default_context(cafile=ca)
+
+    def sync() -> float:
+        started = time.monotonic()
+        resp = requests.post(f"{base}/v1/llmservice/sync", json=h.sync_request(service), verify=ca, timeout=30,
+                             headers={"Authorization": "Bearer token-one"})
+        assert resp.status_code == 200 and resp.json()["children"]
+        return time.monotonic() - started
+
+    spare = [context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10),
+                                 server_hostname="127.0.0.1") for _ in range(3 * DEFAULT_THREADS)]
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2 * DEFAULT_THREADS)]
+    stalled: list[socket.socket] = []
+    try:
+        time.sleep(1.0)
+        # Spare and silent connections are parked after a short wait: a call is answered at once.
+        assert sync() < 3.0
+        # The spare connections still carry requests, in any order.
+        for tls in reversed(spare):
+            tls.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert tls.recv(64).startswith(b"HTTP/1.1 200")
+
+        # A ClientHello that stops after its record header holds a thread until the handshake
+        # deadline, then is closed; a call queued behind as many of them as there are threads waits
+        # for that deadline and no longer.
+        for _ in range(DEFAULT_THREADS):
+            raw = socket.create_connection(("127.0.0.1", port), timeout=TLS_HANDSHAKE_TIMEOUT_SECONDS + 10)
+            raw.sendall(b"\x16\x03\x01\x02\x00")
+            stalled.append(raw)
+        time.sleep(0.5)
+        waited = sync()
+        assert TLS_HANDSHAKE_TIMEOUT_SECONDS - 2 < waited < TLS_HANDSHAKE_TIMEOUT_SECONDS + 8
+        for raw in stalled:
+            try:
+                assert raw.recv(64) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        for sock in (*spare, *silent, *stalled):
+            sock.close()
