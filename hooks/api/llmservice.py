@@ -455,7 +455,7 @@ class Endpoint(ApiModel):
     )
     auth: EndpointAuth | None = Field(default=None, description="Optional client API-key authentication.")
     resources: ResourceRequirements | None = Field(
-        default=None, description="Gateway container resources (defaults: 100m CPU, 128Mi request; 512Mi limit)."
+        default=None, description="Gateway container resources (defaults: 50m CPU, 64Mi request; 512Mi limit)."
     )
     service: EndpointService = Field(default_factory=EndpointService, description="Public Service type and annotations.")
 

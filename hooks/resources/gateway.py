@@ -35,7 +35,11 @@ PROBE_PORT = "admin"
 # Kubernetes waits this long after SIGTERM: the gateway's own drain grace plus a margin.
 GATEWAY_TERMINATION_GRACE_SECONDS = DRAIN_GRACE_SECONDS + 10
 
-DEFAULT_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
+# What an idle one-worker gateway needs, with room for load (docs/benchmarks.md "Idle footprint"):
+# 32 MiB RSS idle, +6 MiB for the JSON scanner of the first cold request, ~15-20 KiB per held
+# stream. A platform reserves this per model at zero, so it is kept near the need; the limit (and
+# the held-body budget derived from it) is what bounds a burst.
+DEFAULT_REQUESTS = {"cpu": "50m", "memory": "64Mi"}
 DEFAULT_LIMITS = {"memory": "512Mi"}
 RUN_AS = 65532  # an unprivileged uid/gid; the image runs as any non-root user
 
