@@ -3,9 +3,11 @@ out idle or stuck sockets, and notice clients that hang up.
 
 One greenlet per connection runs :func:`serve_connection`. Deadlines are attributes, not timers: a
 single watchdog greenlet wakes every ``WATCHDOG_SECONDS`` while there are connections (it parks while
-there are none), shuts down any socket whose deadline passed (which unblocks the greenlet waiting on
-it) and arms a hang-up watcher for requests still waiting on the backend after ``LAZY_WATCH_SECONDS``. A fast request therefore creates no timer and
-no extra greenlet; a held cold request is watched at once (``arm_watch``).
+there are none, from the moment the last one leaves), shuts down any socket whose deadline passed
+(which unblocks the greenlet waiting on it) and arms a hang-up watcher for requests still waiting on
+the backend after ``LAZY_WATCH_SECONDS``. A fast request therefore creates no timer and no extra
+greenlet, and a connection that comes and goes within a tick (a probe) not even the watchdog's; a
+held cold request is watched at once (``arm_watch``).
 """
 
 from __future__ import annotations
@@ -415,6 +417,9 @@ class GatewayServer:
         self._greenlets: list[gevent.Greenlet] = []
         # Set when a connection arrives: the watchdog parks while there is none (no idle wake-ups).
         self._arrived = gevent.event.Event()
+        # Set when the last one leaves: cuts the watchdog's tick short, so a connection that comes and
+        # goes within a tick (a kubelet probe, a scrape) costs no timer wake-up of its own.
+        self._emptied = gevent.event.Event()
 
     @property
     def port(self) -> int:
@@ -469,6 +474,8 @@ class GatewayServer:
             log.warning("connection failed", extra={"error": type(exc).__name__, "at": where})
         finally:
             self.connections.discard(conn)
+            if not self.connections:
+                self._emptied.set()
             conn.close()
             if not admin:
                 self._leave_address(peer)
@@ -510,7 +517,9 @@ class GatewayServer:
             if not self.connections:  # nothing to watch: park until a connection arrives
                 self._arrived.clear()
                 self._arrived.wait()
-            gevent.sleep(WATCHDOG_SECONDS)
+            self._emptied.clear()
+            if not self.connections or self._emptied.wait(WATCHDOG_SECONDS):
+                continue  # all gone before the tick: park again
             now = self.clock()
             lazy = now - LAZY_WATCH_SECONDS
             for conn in self.connections:

@@ -49,8 +49,11 @@ ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gatew
 _HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT, _ACTIVATION_OWNER = range(4)
 
 LOCK_PATIENCE_SECONDS = 1.0  # see PodState._lock_after_a_death
-# The demand sampler's longest sleep while nothing can change without waking it (a bound, not a need).
-PARKED_SECONDS = 5.0
+# The demand sampler's longest sleep while nothing can change without waking it. Not a need: every
+# way out of that state posts ``notify`` (tested). It bounds the cost of a missed post someone adds
+# later, and is long because each wake-up of an idle Pod is charged for (docs/benchmarks.md: a
+# 5 s bound was most of an idle gateway's wake-ups).
+PARKED_SECONDS = 60.0
 
 _ctx = multiprocessing.get_context("fork")
 

@@ -336,3 +336,32 @@ def test_admin_port_connection_bound_at_the_limit(backend, make_gateway) -> None
     finally:
         for sock in held:
             sock.close()
+
+
+def test_the_watchdog_parks_when_the_last_connection_leaves_not_a_tick_later(backend, make_gateway,
+                                                                              monkeypatch) -> None:
+    """A kubelet probe every few seconds must not cost a timer wake-up of the watchdog each (an idle
+    Pod's CPU is mostly wake-ups): the tick is cut short when the last connection leaves. A connection
+    that stays is still watched every tick (its idle deadline is enforced)."""
+    import gateway.server
+
+    tick = 5.0  # long, so that "at once" and "a tick later" cannot be confused on a loaded host
+    monkeypatch.setattr(gateway.server, "WATCHDOG_SECONDS", tick)
+    gw = make_gateway(backend)
+    server = gw.server
+
+    def parked() -> bool:
+        return not server.connections and server._arrived.linkcount() == 1
+
+    for _ in range(3):
+        assert requests.get(f"{gw.admin_url}/healthz", timeout=5).status_code == 200
+        started = time.monotonic()
+        while not gw.call(parked):
+            assert time.monotonic() - started < tick / 2, "the watchdog waited out its tick"
+            time.sleep(0.005)
+    # A connection that stays: the watchdog waits out its tick (and would expire it at its deadline).
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=5):
+        started = time.monotonic()
+        while gw.call(lambda: (len(server.connections), server._emptied.linkcount())) != (1, 1):
+            assert time.monotonic() - started < tick / 2
+            time.sleep(0.005)

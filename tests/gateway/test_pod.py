@@ -147,13 +147,13 @@ def test_a_parked_sampler_publishes_a_cold_flip_at_once() -> None:
     broadcaster = DemandBroadcaster()
     sampler = DemandSampler(pod, broadcaster, interval=0.1).start()
     try:
-        time.sleep(0.3)  # parked by now (5 s)
+        time.sleep(0.3)  # parked by now (for PARKED_SECONDS)
         row = pod.row(0)
         started = time.monotonic()
         row.write_demand(1, 0, True)
         while not broadcaster.current().active and time.monotonic() - started < 2.0:
             time.sleep(0.005)
         assert broadcaster.current() == Demand(1, 0, True)
-        # Correctness, not speed: published within the 2 s bound above, far inside the 5 s park.
+        # Correctness, not speed: published within the 2 s bound above, far inside the park.
     finally:
         sampler.stop()
