@@ -25,7 +25,6 @@ examples/security restricts it to them.
 from __future__ import annotations
 
 import os
-import selectors
 import ssl
 import threading
 from collections.abc import Callable, Mapping
@@ -89,8 +88,8 @@ class HookWorker(ThreadWorker):
         conn.parser = http_parser(self.cfg, conn.sock, conn.client)
         # No request yet: a client's spare keep-alive connection. Wait briefly, then park it; the
         # poller hands it back (data_ready) when the request comes.
-        conn.data_ready = bool(conn.sock.pending()) or _readable(conn.sock, TLS_FIRST_BYTES_WAIT_SECONDS)
-        if not conn.data_ready:
+        conn.data_ready = bool(conn.sock.pending())  # else gthread's own wait, now on the TLS socket
+        if not conn.wait_for_data(TLS_FIRST_BYTES_WAIT_SECONDS):
             return _DEFER
         return super().handle(conn)
 
@@ -106,12 +105,6 @@ class HookWorker(ThreadWorker):
             self.nr_conns -= 1
             return
         super().finish_request(conn, fs)
-
-
-def _readable(sock: ssl.SSLSocket, timeout: float) -> bool:
-    with selectors.DefaultSelector() as selector:
-        selector.register(sock, selectors.EVENT_READ)
-        return bool(selector.select(timeout))
 
 
 def _child_exit(server: Any, worker: Any) -> None:
