@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GatewayConfig", "ConfigError", "load_config", "build_parser"]
+__all__ = ["GatewayConfig", "ConfigError", "load_config", "build_parser", "parse_field"]
 
 
 class ConfigError(ValueError):
@@ -229,6 +229,11 @@ _HELP = {
                                    "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
 }
+
+
+def parse_field(field: str, raw: str) -> Any:
+    """One setting from its text, by the rules of its environment variable (ValueError if bad)."""
+    return _PARSERS[field](raw)
 
 
 def env_name(field: str) -> str:
