@@ -433,10 +433,9 @@ class GatewayServer:
         self.server.start()
         if self.admin_server is not None:
             self.admin_server.start()
-        self._greenlets = [gevent.spawn(self.app.activation.prober.run), gevent.spawn(self._watchdog)]
+        self._greenlets = [*(gevent.spawn(task) for task in self.app.background()), gevent.spawn(self._watchdog)]
 
     def stop(self, timeout: float = 1.0) -> None:
-        self.app.activation.prober.stop()
         self.server.close()
         if self.admin_server is not None:
             self.admin_server.close()
@@ -446,7 +445,7 @@ class GatewayServer:
         for conn in list(self.connections):
             conn.expire()
         gevent.killall(self._greenlets, block=False)
-        self.app.pool.close()
+        self.app.close()
 
     def _handle_admin(self, sock: gevent.socket.socket, address: Any) -> None:
         self._handle(sock, address, admin=True)
@@ -498,9 +497,7 @@ class GatewayServer:
 
     def _refuse(self, sock: gevent.socket.socket) -> None:
         """429 and close, without reading: a fresh socket's send buffer takes the answer at once."""
-        metrics = self.app.metrics
-        metrics.count_response(429)
-        metrics.reject("too_many_connections")
+        self.app.connection_refused()
         error = ERRORS["too_many_connections"]
         body = error_body(error)
         try:

@@ -74,7 +74,7 @@ class BodyReservation:
 
     __slots__ = ("_slots", "bytes")
 
-    def __init__(self, slots: AdmissionSlots) -> None:
+    def __init__(self, slots: AdmissionSlots | HeldBytesBudget) -> None:
         self._slots = slots
         self.bytes = 0
 
@@ -94,6 +94,32 @@ class BodyReservation:
         if self.bytes:
             self._slots._give_bytes(self.bytes)
             self.bytes = 0
+
+
+class HeldBytesBudget:
+    """A Pod-wide held-body budget of its own, for a gateway that reads a body before it knows which
+    model's slots it will take (the shared gateway): every model's bodies count against one bound.
+    One event loop only (no lock)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+    def reservation(self) -> BodyReservation:
+        return BodyReservation(self)
+
+    def _take_bytes(self, n: int) -> bool:
+        if self.held_bytes + n > self.max_bytes:
+            return False
+        self.held_bytes += n
+        return True
+
+    def _give_bytes(self, n: int) -> None:
+        if n > self.held_bytes:
+            raise RuntimeError("held bytes would go negative")
+        self.held_bytes -= n
 
 
 class AdmissionSlots:

@@ -1,0 +1,266 @@
+"""The handler of a shared gateway: one OpenAI endpoint for the models of a model table.
+
+WORK IN PROGRESS (branch wip/shared-gateway, issue 22). Built: routing by the body's top-level
+``model`` (bounded scan, gateway.jsonscan), ``GET /v1/models`` listing every model whether cold or
+warm (answered here: listing wakes nothing), 404 ``model_not_found`` for a model not in the table,
+one Pod-wide held-body budget, and per model everything the per-model gateway has (its own
+``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
+pool). Not yet: API keys (refused at start), a ``model`` label on ``/metrics`` (the admin port
+answers ``/metrics`` with the Pod-level counters only), ``/noctaya/queue``, the scaler per
+ScaledObject, and the hooks that render it. Reloading: :meth:`SharedGatewayApp.apply`.
+
+The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
+as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,
+``start_draining``, ``admitted``, ``waiting``, ``abort_waiters``, ``withdraw``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import unquote
+
+import gevent
+
+from gateway import metrics as metrics_module
+from gateway.config import ConfigError, GatewayConfig
+from gateway.jsonscan import InvalidJSON, inspect_json_body
+from gateway.metrics import GatewayMetrics
+from gateway.modeltable import ModelTable, ModelTableFile, TableChange
+from gateway.policy import MAX_JSON_DEPTH, is_json, route
+from gateway.routes import GatewayApp, RequestBody, answer_body_failure, answer_error
+from gateway.server import (
+    ClientBodyError,
+    ClientConnection,
+    ClientGone,
+    HeldBytesExhausted,
+    RequestBodyTooLarge,
+    RequestTimedOut,
+)
+from gateway.state.admission import HeldBytesBudget
+from gateway.state.pod import PodState
+from gateway.timing import produces_tokens
+from gateway.wire import BadRequest, RequestHead
+
+__all__ = ["SharedGatewayApp", "RELOAD_SECONDS"]
+
+log = logging.getLogger("noctaya.gateway")
+
+# How often the mounted table is checked (one stat). The kubelet itself takes up to a minute to
+# update a ConfigMap volume, so a few seconds more cost nothing and keep an idle Pod's wake-ups low.
+RELOAD_SECONDS = 5.0
+
+
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "noctaya"}
+
+
+class SharedGatewayApp:
+    """Construct inside the hub thread that will serve it (like ``GatewayApp``)."""
+
+    def __init__(self, config: GatewayConfig, table: ModelTable, *, table_file: ModelTableFile | None = None,
+                 reload_seconds: float = RELOAD_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.table_file = table_file
+        self.reload_seconds = reload_seconds
+        self._reported: str | None = None
+        keyed = [name for name, model in table.models.items() if model.auth_key_file]
+        if keyed:
+            raise ConfigError(f"API keys are not supported by the shared gateway yet (set for {keyed[0]!r})")
+        self.config = config
+        self.clock = clock
+        self.draining = False
+        self.metrics = GatewayMetrics()  # Pod-level answers: unknown model, bad requests, refusals
+        self.budget = HeldBytesBudget(config.max_held_body_bytes)
+        # Per model: its own slots, lease, prober and pool. Held bytes count against the Pod's budget.
+        self.table = table
+        self.apps: dict[str, GatewayApp] = {name: self._new_app(model) for name, model in table.models.items()}
+        self._listing = self._list()
+        self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
+        # Apps of models removed or changed by a new table: they finish what they admitted, then close.
+        self._retiring: list[GatewayApp] = []
+        self._tasks: dict[int, list[gevent.Greenlet]] = {}  # id(app) -> its background greenlets
+        self._serving = False
+
+    def _new_app(self, model: GatewayConfig) -> GatewayApp:
+        return GatewayApp(model, pod=PodState(1, model.max_queue, None), clock=self.clock)
+
+    def _list(self) -> bytes:
+        return json.dumps({"object": "list", "data": [_model_object(n) for n in self.apps]}).encode()
+
+    # -- membership ----------------------------------------------------------------------------------
+    def apply(self, table: ModelTable) -> TableChange:
+        """Serve ``table`` from the next request on (call in the hub thread). An added model starts
+        cold; a removed one is answered ``model_not_found`` from now on; a changed one gets a new app.
+        The old apps of removed and changed models finish every request they admitted (held cold
+        requests included) and close once they have none; other models are not touched."""
+        change = self.table.diff(table)
+        for name in (*change.removed, *change.changed):
+            self._retiring.append(self.apps.pop(name))
+        for name in (*change.added, *change.changed):
+            app = self.apps[name] = self._new_app(table.models[name])
+            if self._serving:
+                self._start(app)
+        # Keep the table's order (the listing's).
+        self.apps = {name: self.apps[name] for name in table.models}
+        self.table = table
+        self._listing = self._list()
+        self.reap()
+        return change
+
+    def reap(self) -> None:
+        """Close retired apps that have nothing admitted any more."""
+        still = []
+        for app in self._retiring:
+            if app.admitted:
+                still.append(app)
+                continue
+            for greenlet in self._tasks.pop(id(app), []):
+                greenlet.kill(block=False)
+            app.close()
+        self._retiring = still
+
+    def _start(self, app: GatewayApp) -> None:
+        self._tasks[id(app)] = [gevent.spawn(task) for task in app.background()]
+
+    # -- lifecycle (see the module docstring) ------------------------------------------------------
+    def background(self) -> list[Callable[[], None]]:
+        return [self._run]
+
+    def _run(self) -> None:
+        """Every model's background tasks, and (with a table file) its reloads."""
+        self._serving = True
+        for app in self.apps.values():
+            self._start(app)
+        if self.table_file is None:
+            return
+        while True:
+            gevent.sleep(self.reload_seconds)
+            table = self.table_file.poll()
+            if table is not None:
+                change = self.apply(table)
+                log.info("model table reloaded", extra={"added": list(change.added), "removed": list(change.removed),
+                                                        "changed": list(change.changed)})
+            elif self.table_file.error is not None and self.table_file.error != self._reported:
+                log.error("model table refused; the last good one stays", extra={"error": self.table_file.error})
+            self._reported = self.table_file.error
+            self.reap()
+
+    def close(self) -> None:
+        for app in [*self.apps.values(), *self._retiring]:
+            for greenlet in self._tasks.pop(id(app), []):
+                greenlet.kill(block=False)
+            app.close()
+
+    def connection_refused(self) -> None:
+        self.metrics.count_response(429)
+        self.metrics.reject("too_many_connections")
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.metrics.set_draining(True)
+        for app in self.apps.values():
+            app.start_draining()
+
+    @property
+    def admitted(self) -> int:
+        return sum(app.admitted for app in self.apps.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(app.waiting for app in self.apps.values())
+
+    def abort_waiters(self) -> None:
+        for app in self.apps.values():
+            app.abort_waiters()
+
+    def withdraw(self) -> None:
+        for app in self.apps.values():
+            app.withdraw()
+
+    # -- requests ------------------------------------------------------------------------------------
+    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None:
+        if isinstance(exc, RequestTimedOut):
+            name = "request_timeout"
+        else:
+            name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
+        conn.message_done = True
+        try:
+            answer_error(conn, self.metrics, name, close=True)
+        except ClientGone:
+            pass
+
+    def _ok(self, conn: ClientConnection, body: bytes, content_type: bytes = b"application/json") -> bool:
+        self.metrics.count_response(200)
+        conn.respond(200, body, content_type=content_type, close=not conn.message_done)
+        return conn.message_done
+
+    def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
+        if self.draining:
+            conn.keep_alive = False
+        decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=None,
+                         max_body=self.config.max_body_bytes)
+        try:
+            if decision.kind == "error":
+                return answer_error(conn, self.metrics, decision.error, close=decision.close)
+            if decision.kind == "health":
+                if self.draining:
+                    self.metrics.count_response(503)
+                    conn.respond(503, b'{"status":"draining"}')
+                    return True
+                return self._ok(conn, b'{"status":"ok"}')
+            if decision.kind == "metrics":
+                return self._ok(conn, self.metrics.render(), metrics_module.CONTENT_TYPE_LATEST.encode())
+            if decision.kind == "models":
+                return self._models(conn, head)
+            if decision.kind == "forward":
+                return self._forward(conn, head)
+            return answer_error(conn, self.metrics, "not_found")  # /noctaya/queue: not yet
+        except ClientGone:
+            return False
+
+    def _models(self, conn: ClientConnection, head: RequestHead) -> bool:
+        """From the table, whether each model is cold or warm: listing never wakes a model."""
+        path = head.path
+        model_id = unquote(path[len("/v1/models/"):]) if len(path) > len("/v1/models/") else ""
+        if not model_id:
+            return self._ok(conn, self._listing)
+        if model_id in self.apps:
+            return self._ok(conn, json.dumps(_model_object(model_id)).encode())
+        return answer_error(conn, self.metrics, "model_not_found")
+
+    def _forward(self, conn: ClientConnection, head: RequestHead) -> bool:
+        """Read the whole body against the Pod's budget, find its model, hand it to that model's app."""
+        conn.timing.start(head.arrived, produces_tokens(head.method, head.path))
+        reservation = self.budget.reservation()
+        try:
+            data = b""
+            if head.has_body:
+                conn.continue_100(head)
+                data = conn.read_body(self.config.max_body_bytes, reservation)
+            model = self._model_of(head, data)
+            if model is None:
+                return answer_error(conn, self.metrics, "invalid_json")
+            app = self.apps.get(model)
+            if app is None:
+                return answer_error(conn, self.metrics, "model_not_found")
+            if len(data) > app.config.max_body_bytes:
+                return answer_error(conn, self.metrics, "too_large")
+            return app.dispatch(conn, head, RequestBody(data, reservation))
+        except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted) as exc:
+            return answer_body_failure(conn, self.metrics, exc, self._retry_429)
+        finally:
+            reservation.release()
+
+    @staticmethod
+    def _model_of(head: RequestHead, data: bytes) -> str | None:
+        """The top-level ``model`` of a JSON body; "" when the body has none (no such model exists,
+        so it is answered ``model_not_found``); None when the body is not acceptable JSON."""
+        if not data or not is_json(head.content_type, data):
+            return ""
+        try:
+            facts = inspect_json_body(data, max_depth=MAX_JSON_DEPTH)
+        except InvalidJSON:
+            return None
+        return facts.model or ""

@@ -1,0 +1,191 @@
+"""The shared gateway's handler (gateway.shared, WORK IN PROGRESS): the real openai client with one base
+URL in front of three models, real backends on 127.0.0.1. Listing wakes nothing, a request wakes only
+its own model, one model's flood at its maxQueue is refused for that model only, and an unknown
+model gets OpenAI's 404 model_not_found."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+import requests
+
+from gateway.config import GatewayConfig
+from gateway.modeltable import parse_model_table
+from gateway.shared import SharedGatewayApp
+from tests.gateway.fakebackend import FakeBackend
+from tests.gateway.harness import ThreadedGateway
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def backends() -> Iterator[dict[str, FakeBackend]]:
+    made = {name: FakeBackend() for name in ("a", "b", "c")}
+    yield made
+    for backend in made.values():
+        backend.stop()
+
+
+@pytest.fixture
+def shared(backends: dict[str, FakeBackend]) -> Iterator[ThreadedGateway]:
+    base = GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, activation_timeout_seconds=10.0, ready_grace_seconds=0.5,
+                         heartbeat_seconds=0.2, scaler_mode="off", probe_interval_seconds=0.05,
+                         probe_timeout_seconds=0.5, max_held_body_bytes=64 * 2**20)
+    table = parse_model_table(json.dumps({"models": [
+        {"name": "a", "backendURL": backends["a"].url, "maxQueue": 2},
+        {"name": "b", "backendURL": backends["b"].url, "maxQueue": 8},
+        {"name": "org/c", "backendURL": backends["c"].url},
+    ]}).encode(), base)
+    gw = ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table)).start()
+    yield gw
+    gw.stop()
+
+
+def posts(backend: FakeBackend) -> int:
+    return len(backend.requests_to("/v1/chat/completions"))
+
+
+def test_one_base_url_lists_every_model_cold_and_wakes_only_the_one_asked(shared, backends) -> None:
+    client = openai.OpenAI(base_url=f"{shared.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == ["a", "b", "org/c"]
+    assert client.models.retrieve("org/c").id == "org/c"
+    assert all(b.health_checks == 0 for b in backends.values())  # nothing woke, nothing was probed
+    assert not any(shared.call(lambda n=n: shared.app.apps[n].activation.lease.snapshot().state.value != "idle")
+                   for n in ("a", "b", "org/c"))
+
+    backends["b"].start()
+    chunks = list(client.chat.completions.create(model="b", messages=MESSAGES, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert posts(backends["b"]) == 1 and posts(backends["a"]) == posts(backends["c"]) == 0
+    assert shared.call(lambda: shared.app.apps["a"].activation.lease.snapshot().state.value) == "idle"
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_a_flood_of_one_model_is_refused_for_that_model_only(shared, backends) -> None:
+    """a's maxQueue is 2: held cold, its third request is refused 429; b (warm) still answers, and c
+    (cold) still gets a slot of its own."""
+    body = json.dumps({"model": "a", "messages": MESSAGES}).encode()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(2):  # a's backend is down: these wait for it, holding a's two slots
+            sock = socket.create_connection(("127.0.0.1", shared.port), timeout=10)
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            held.append(sock)
+        deadline = time.monotonic() + 5
+        while shared.call(lambda: shared.app.apps["a"].admitted) != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        flood = [requests.post(f"{shared.url}/v1/chat/completions", data=body, timeout=10,
+                               headers={"Content-Type": "application/json"}) for _ in range(20)]
+        assert {r.status_code for r in flood} == {429}
+        assert {r.json()["error"]["code"] for r in flood} == {"queue_full"}
+
+        backends["b"].start()
+        answered = requests.post(f"{shared.url}/v1/chat/completions", json={"model": "b", "messages": MESSAGES},
+                                 timeout=30)
+        assert answered.status_code == 200 and answered.json()["choices"]
+
+        c_result: list[int] = []
+        c_thread = threading.Thread(target=lambda: c_result.append(requests.post(
+            f"{shared.url}/v1/chat/completions", json={"model": "org/c", "messages": MESSAGES}, timeout=30,
+        ).status_code))
+        c_thread.start()
+        deadline = time.monotonic() + 5
+        while shared.call(lambda: shared.app.apps["org/c"].admitted) != 1:
+            assert time.monotonic() < deadline, "c found no slot while a was flooded"
+            time.sleep(0.01)
+        backends["c"].start()
+        c_thread.join(30)
+        assert c_result == [200]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    (b'{"messages": []}', 404, "model_not_found"),
+    (b'{"model": 7, "messages": []}', 404, "model_not_found"),
+    (b'{"model": "a", "messages": [', 400, "invalid_json"),
+    (b"[" * 100_000, 400, "invalid_json"),
+])
+def test_a_body_without_a_known_model_wakes_nothing(shared, backends, body, status, code) -> None:
+    answer = requests.post(f"{shared.url}/v1/chat/completions", data=body, timeout=10,
+                           headers={"Content-Type": "application/json"})
+    assert (answer.status_code, answer.json()["error"]["code"]) == (status, code)
+    assert not any(shared.call(lambda n=n: shared.app.apps[n].admitted) for n in ("a", "b", "org/c"))
+    assert all(b.health_checks == 0 for b in backends.values())
+
+
+def test_the_table_file_is_reloaded_without_dropping_held_requests(backends, tmp_path) -> None:
+    """Must-show 2 of issue 22, at the gateway: a cold request for a is held while the table gains d
+    and loses b; the held request completes, d is listed within the reload period, b is not found,
+    and a bad table changes nothing."""
+    from gateway.modeltable import ModelTableFile
+
+    extra = FakeBackend()
+    path = tmp_path / "models.json"
+
+    def write(*models: dict) -> None:
+        tmp = path.with_suffix(".new")
+        tmp.write_text(json.dumps({"models": list(models)}))
+        tmp.replace(path)
+
+    a = {"name": "a", "backendURL": backends["a"].url}
+    b = {"name": "b", "backendURL": backends["b"].url}
+    d = {"name": "d", "backendURL": extra.url}
+    write(a, b)
+    base = GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, activation_timeout_seconds=20.0, ready_grace_seconds=0.5,
+                         heartbeat_seconds=0.2, scaler_mode="off", probe_interval_seconds=0.05,
+                         probe_timeout_seconds=0.5, max_held_body_bytes=64 * 2**20)
+    table_file = ModelTableFile(path, base)
+    table = table_file.poll()
+    assert table is not None
+    gw = ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table, table_file=table_file,
+                                                                    reload_seconds=0.05)).start()
+    try:
+        result: list[int] = []
+        held = threading.Thread(target=lambda: result.append(requests.post(
+            f"{gw.url}/v1/chat/completions", json={"model": "a", "messages": MESSAGES}, timeout=30).status_code))
+        held.start()
+        deadline = time.monotonic() + 5
+        while gw.call(lambda: gw.app.apps["a"].admitted) != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        write(a, d)
+        listed = time.monotonic()
+        while [m["id"] for m in requests.get(f"{gw.url}/v1/models", timeout=5).json()["data"]] != ["a", "d"]:
+            assert time.monotonic() - listed < 3, "d not listed within seconds"
+            time.sleep(0.02)
+        gone = requests.post(f"{gw.url}/v1/chat/completions", json={"model": "b", "messages": MESSAGES}, timeout=5)
+        assert (gone.status_code, gone.json()["error"]["code"]) == (404, "model_not_found")
+        assert gw.call(lambda: (len(gw.app._retiring), len(gw.app._tasks))) == (0, 2)  # b's app is closed
+
+        write(a, {"name": "d"})  # refused whole: d keeps its backend, nothing is dropped
+        time.sleep(0.3)
+        assert "backendURL is required" in (table_file.error or "")
+        extra.start()
+        served = requests.post(f"{gw.url}/v1/chat/completions", json={"model": "d", "messages": MESSAGES}, timeout=30)
+        assert served.status_code == 200
+
+        assert held.is_alive()  # a's request was held through both reloads
+        backends["a"].start()
+        held.join(30)
+        assert result == [200]
+    finally:
+        gw.stop()
+        extra.stop()
