@@ -66,6 +66,9 @@ class GatewayConfig:
     max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
     gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
+    # A shared gateway (WORK IN PROGRESS): the models come from this file (gateway.modeltable), and
+    # backend_url / served_model_name are not used.
+    model_table_file: str | None = None
 
     @property
     def connections_per_address(self) -> int:
@@ -212,6 +215,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_held_body_bytes": _pos_int,
     "log_level": _choice("debug", "info", "warning", "error"),
     "gateway_workers": _pos_int,
+    "model_table_file": _text,
 }
 
 _HELP = {
@@ -279,6 +283,9 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
             values[field] = parse(raw)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+    if "model_table_file" in values:  # a shared gateway: each model names its own
+        values.setdefault("backend_url", "http://model-table.invalid")
+        values.setdefault("served_model_name", "(model table)")
     for required in ("backend_url", "served_model_name"):
         if required not in values:
             raise ConfigError(f"{env_name(required)} (or {flag_name(required)}) is required")

@@ -40,6 +40,7 @@ from gateway.server import (
     RequestTimedOut,
 )
 from gateway.state.admission import HeldBytesBudget
+from gateway.state.models import ModelDemand
 from gateway.state.pod import PodState
 from gateway.timing import produces_tokens
 from gateway.wire import BadRequest, RequestHead
@@ -61,7 +62,9 @@ class SharedGatewayApp:
     """Construct inside the hub thread that will serve it (like ``GatewayApp``)."""
 
     def __init__(self, config: GatewayConfig, table: ModelTable, *, table_file: ModelTableFile | None = None,
-                 reload_seconds: float = RELOAD_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+                 demand: ModelDemand | None = None, reload_seconds: float = RELOAD_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.demand = demand  # each model's demand for the scaler (None: not published, tests)
         self.table_file = table_file
         self.reload_seconds = reload_seconds
         self._reported: str | None = None
@@ -84,7 +87,17 @@ class SharedGatewayApp:
         self._serving = False
 
     def _new_app(self, model: GatewayConfig) -> GatewayApp:
-        return GatewayApp(model, pod=PodState(1, model.max_queue, None), clock=self.clock)
+        name = model.served_model_name
+        pod = self.demand.pod_for(name, model.max_queue) if self.demand else PodState(1, model.max_queue, None)
+        return GatewayApp(model, pod=pod, clock=self.clock)
+
+    def _close(self, app: GatewayApp) -> None:
+        for greenlet in self._tasks.pop(id(app), []):
+            greenlet.kill(block=False)
+        app.close()
+        if self.demand is not None:
+            name = app.config.served_model_name
+            self.demand.release(name, app.pod, listed=self.apps.get(name) not in (None, app))
 
     def _list(self) -> bytes:
         return json.dumps({"object": "list", "data": [_model_object(n) for n in self.apps]}).encode()
@@ -116,9 +129,7 @@ class SharedGatewayApp:
             if app.admitted:
                 still.append(app)
                 continue
-            for greenlet in self._tasks.pop(id(app), []):
-                greenlet.kill(block=False)
-            app.close()
+            self._close(app)
         self._retiring = still
 
     def _start(self, app: GatewayApp) -> None:
@@ -149,9 +160,7 @@ class SharedGatewayApp:
 
     def close(self) -> None:
         for app in [*self.apps.values(), *self._retiring]:
-            for greenlet in self._tasks.pop(id(app), []):
-                greenlet.kill(block=False)
-            app.close()
+            self._close(app)
 
     def connection_refused(self) -> None:
         self.metrics.count_response(429)

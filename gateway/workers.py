@@ -42,7 +42,7 @@ from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.drain import Drainer
 from gateway.logs import configure_logging
 from gateway.routes import GatewayApp
-from gateway.server import GatewayServer, listen_socket, reseed_request_ids
+from gateway.server import GatewayServer, ServedApp, listen_socket, reseed_request_ids
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
 from scaler.secretfiles import exit_if_a_secret_is_missing
@@ -80,13 +80,14 @@ def raise_file_limit() -> int:
 Listeners = tuple[std_socket.socket, std_socket.socket]  # (public, admin) of one worker
 
 
-def run_worker(config: GatewayConfig, pod: PodState, index: int, listeners: Listeners, *, forked: bool = True) -> int:
+def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listeners: Listeners, *, forked: bool = True,
+               app_factory: Callable[[], ServedApp] | None = None) -> int:
     """Body of a worker (forked, or the one-worker Pod's only process): serve until SIGTERM has
-    drained it."""
+    drained it. ``app_factory``: another app than one model's (a shared gateway's)."""
     if forked:
         gevent.reinit()
         reseed_request_ids()  # forked workers must not hand out the same ids
-    app = GatewayApp(config, pod=pod, worker=index)
+    app = app_factory() if app_factory is not None else GatewayApp(config, pod=pod, worker=index)
     public, admin = listeners
     server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
     server.start()
@@ -335,6 +336,54 @@ def run_single(config: GatewayConfig) -> int:
         _shut_down(steps, sampler)
 
 
+def run_shared(config: GatewayConfig) -> int:
+    """A shared gateway (WORK IN PROGRESS, issue 22): one process serving every model of the table
+    file, the ExternalScaler answering per model, one sampler thread for all of them."""
+    from gateway.modeltable import ModelTableFile
+    from gateway.shared import SharedGatewayApp
+    from gateway.state.models import ModelDemand, ModelsSampler
+    from scaler.externalscaler import ScalerSettings
+    from scaler.h2server import start_h2_scaler_server
+
+    assert config.model_table_file
+    if config.scaler_mode == "report" or config.scaler_tls_cert_file:
+        log.error("a shared gateway supports scaler mode local (no TLS) or off for now")
+        return 2
+    table_file = ModelTableFile(config.model_table_file, config)
+    table = table_file.poll()
+    if table is None:
+        log.error("model table refused", extra={"error": table_file.error})
+        return 2
+    demand = ModelDemand()
+    try:
+        listeners = (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
+                     listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
+    except OSError as exc:
+        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+        return 1
+    steps: list[Callable[[], None]] = []
+    if config.scaler_mode == "local":
+        settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
+                                  wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
+        try:
+            server = start_h2_scaler_server(DemandBroadcaster(), config.scaler_port, host=config.listen_host,
+                                            settings=settings, models=demand.broadcaster)
+        except OSError as exc:
+            log.error("cannot start the scaler", extra={"error": str(exc)})
+            return 1
+        steps.append(lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS))
+    sampler = ModelsSampler(demand).start()
+    log.info("shared gateway listening", extra={"port": listeners[0].getsockname()[1], "models": len(table.models)})
+    try:
+        return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda: SharedGatewayApp(
+            config, table, table_file=table_file, demand=demand))
+    finally:
+        sampler.withdraw()
+        for step in steps:
+            step()
+        sampler.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     exit_if_a_secret_is_missing("gateway")
     try:
@@ -347,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if files < 2 * config.max_connections + 64:
         log.warning("open-file limit below what max connections need",
                     extra={"limit": files, "max_connections": config.max_connections})
+    if config.model_table_file:
+        return run_shared(config)
     workers = config.gateway_workers or default_workers(cgroup_root())
     if workers == 1:
         return run_single(config)

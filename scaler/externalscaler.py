@@ -323,11 +323,13 @@ class ExternalScalerServicer:
                 sent, sent_at = active, now
                 self._count(pushes=1)
                 yield pb.IsActiveResponse(result=active)
-                if flipped and self._on_activated is not None:
+                # A shared gateway's model broadcaster names its own observer.
+                on_activated = getattr(source, "on_activated", None) or self._on_activated
+                if flipped and on_activated is not None:
                     try:
                         # The time it was handed to gRPC: this generator resumes only when gRPC asks
                         # for the next message, which can be much later on a busy process.
-                        self._on_activated(now)
+                        on_activated(now)
                     except Exception:  # a broken observer must never end KEDA's stream
                         log.exception("on_activated failed")
 

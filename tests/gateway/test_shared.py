@@ -189,3 +189,79 @@ def test_the_table_file_is_reloaded_without_dropping_held_requests(backends, tmp
     finally:
         gw.stop()
         extra.stop()
+
+
+def test_a_shared_gateway_process_scales_each_model_on_its_own(backends, tmp_path) -> None:
+    """`python -m gateway` with NOCTAYA_MODEL_TABLE_FILE: one process, one base URL, one scaler port;
+    a cold request for b pushes `true` on b's StreamIsActive only, a's stays `false`; SIGTERM drains."""
+    import os
+    import queue
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import grpc
+
+    from scaler import externalscaler_pb2 as pb
+    from scaler import externalscaler_pb2_grpc as pb_grpc
+    from tests.gateway.fakebackend import free_port
+
+    table = tmp_path / "models.json"
+    table.write_text(json.dumps({"models": [{"name": n, "backendURL": backends[n].url} for n in ("a", "b")]}))
+    port, admin, scaler = free_port(), free_port(), free_port()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "NOCTAYA_MODEL_TABLE_FILE": str(table),
+           "NOCTAYA_LISTEN_HOST": "127.0.0.1", "NOCTAYA_LISTEN_PORT": str(port), "NOCTAYA_ADMIN_PORT": str(admin),
+           "NOCTAYA_SCALER_MODE": "local", "NOCTAYA_SCALER_PORT": str(scaler), "NOCTAYA_GATEWAY_WORKERS": "1",
+           "NOCTAYA_PROBE_INTERVAL_SECONDS": "0.05", "NOCTAYA_READY_GRACE_SECONDS": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    channel = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "shared gateway not listening"
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["a", "b"]
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{scaler}")
+        stub = pb_grpc.ExternalScalerStub(channel)
+
+        def ref(model: str) -> pb.ScaledObjectRef:
+            return pb.ScaledObjectRef(name=model, namespace="ns", scalerMetadata={"model": model})
+
+        pushes: dict[str, queue.Queue] = {"a": queue.Queue(), "b": queue.Queue()}
+        for model, q in pushes.items():
+            threading.Thread(target=lambda m=model, q=q: [q.put(r.result) for r in stub.StreamIsActive(ref(m))],
+                             daemon=True).start()
+        assert pushes["a"].get(timeout=10) is False and pushes["b"].get(timeout=10) is False
+
+        result: list[int] = []
+        cold = threading.Thread(target=lambda: result.append(requests.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "b", "messages": MESSAGES},
+            timeout=60).status_code))
+        cold.start()
+        assert pushes["b"].get(timeout=10) is True
+        assert stub.IsActive(ref("a"), timeout=5).result is False and pushes["a"].empty()
+        assert stub.IsActive(ref("b"), timeout=5).result is True
+        backends["b"].start()
+        cold.join(30)
+        assert result == [200]
+        assert posts(backends["a"]) == 0
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(45) == 0
+    finally:
+        if channel is not None:
+            channel.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
