@@ -106,7 +106,52 @@ def answer_body_failure(conn: ClientConnection, metrics: GatewayMetrics, exc: Ex
     return answer_error(conn, metrics, name, close=True)
 
 
-class GatewayApp:
+class AnswersHere:
+    """Answers the gateway writes itself (errors, health, plain 200s), for one model's app and for a
+    shared gateway's: both have ``metrics`` and ``draining``."""
+
+    metrics: GatewayMetrics
+    draining: bool
+
+    def _error(self, conn: ClientConnection, name: str, extra: list[tuple[bytes, bytes]] | None = None,
+               *, close: bool = False) -> bool:
+        return answer_error(conn, self.metrics, name, extra, close=close)
+
+    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None:
+        """Malformed or late HTTP from the client: a JSON 400/408/414/431, then the connection closes."""
+        if isinstance(exc, RequestTimedOut):
+            name = "request_timeout"
+        else:
+            name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
+        conn.message_done = True
+        try:
+            self._error(conn, name, close=True)
+        except ClientGone:
+            pass
+
+    def _ok(self, conn: ClientConnection, body: bytes, content_type: bytes = b"application/json") -> bool:
+        self.metrics.count_response(200)
+        conn.respond(200, body, content_type=content_type, close=not conn.message_done)
+        return conn.message_done
+
+    def _health(self, conn: ClientConnection, head: RequestHead) -> bool:
+        if self.draining:
+            self.metrics.count_response(503)
+            conn.respond(503, b'{"status":"draining"}')
+            return True
+        return self._ok(conn, b'{"status":"ok"}')
+
+    def connection_refused(self) -> None:
+        """Count a connection refused before it was read (too many connections)."""
+        self.metrics.count_response(429)
+        self.metrics.reject("too_many_connections")
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.metrics.set_draining(True)
+
+
+class GatewayApp(AnswersHere):
     """One worker's handler. Construct inside the hub thread that will serve it."""
 
     def __init__(self, config: GatewayConfig, *, pod: PodState | None = None, worker: int = 0,
@@ -146,15 +191,6 @@ class GatewayApp:
         self.activation.prober.stop()
         self.pool.close()
 
-    def connection_refused(self) -> None:
-        """Count a connection refused before it was read (too many connections)."""
-        self.metrics.count_response(429)
-        self.metrics.reject("too_many_connections")
-
-    def start_draining(self) -> None:
-        self.draining = True
-        self.metrics.set_draining(True)
-
     @property
     def admitted(self) -> int:
         """Requests admitted and not finished (waiting or in flight)."""
@@ -177,28 +213,6 @@ class GatewayApp:
         return probe_readiness(self.pool, self.config.backend_base_path + self.config.readiness_path,
                                self.config.backend_netloc, self.config.probe_timeout_seconds)
 
-    # -- answers generated here ------------------------------------------------------------------
-    def _error(self, conn: ClientConnection, name: str, extra: list[tuple[bytes, bytes]] | None = None,
-               *, close: bool = False) -> bool:
-        return answer_error(conn, self.metrics, name, extra, close=close)
-
-    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None:
-        """Malformed or late HTTP from the client: a JSON 400/408/414/431, then the connection closes."""
-        if isinstance(exc, RequestTimedOut):
-            name = "request_timeout"
-        else:
-            name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
-        conn.message_done = True
-        try:
-            self._error(conn, name, close=True)
-        except ClientGone:
-            pass
-
-    def _ok(self, conn: ClientConnection, body: bytes, content_type: bytes = b"application/json") -> bool:
-        self.metrics.count_response(200)
-        conn.respond(200, body, content_type=content_type, close=not conn.message_done)
-        return conn.message_done
-
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
         if self.draining:
@@ -212,13 +226,6 @@ class GatewayApp:
             return self._routes[decision.kind](conn, head)
         except ClientGone:
             return False
-
-    def _health(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.draining:
-            self.metrics.count_response(503)
-            conn.respond(503, b'{"status":"draining"}')
-            return True
-        return self._ok(conn, b'{"status":"ok"}')
 
     def _metrics(self, conn: ClientConnection, head: RequestHead) -> bool:
         return self._ok(conn, self.metrics.render(), metrics_module.CONTENT_TYPE_LATEST.encode())

@@ -30,20 +30,19 @@ from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
 from gateway.modeltable import ModelTable, ModelTableFile, TableChange
 from gateway.policy import MAX_JSON_DEPTH, is_json, route
-from gateway.routes import GatewayApp, RequestBody, answer_body_failure, answer_error
+from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error
 from gateway.server import (
     ClientBodyError,
     ClientConnection,
     ClientGone,
     HeldBytesExhausted,
     RequestBodyTooLarge,
-    RequestTimedOut,
 )
 from gateway.state.admission import HeldBytesBudget
 from gateway.state.models import ModelDemand
 from gateway.state.pod import PodState
 from gateway.timing import produces_tokens
-from gateway.wire import BadRequest, RequestHead
+from gateway.wire import RequestHead
 
 __all__ = ["SharedGatewayApp", "RELOAD_SECONDS"]
 
@@ -58,7 +57,7 @@ def _model_object(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "noctaya"}
 
 
-class SharedGatewayApp:
+class SharedGatewayApp(AnswersHere):
     """Construct inside the hub thread that will serve it (like ``GatewayApp``)."""
 
     def __init__(self, config: GatewayConfig, table: ModelTable, *, table_file: ModelTableFile | None = None,
@@ -162,13 +161,8 @@ class SharedGatewayApp:
         for app in [*self.apps.values(), *self._retiring]:
             self._close(app)
 
-    def connection_refused(self) -> None:
-        self.metrics.count_response(429)
-        self.metrics.reject("too_many_connections")
-
     def start_draining(self) -> None:
-        self.draining = True
-        self.metrics.set_draining(True)
+        super().start_draining()
         for app in self.apps.values():
             app.start_draining()
 
@@ -189,22 +183,6 @@ class SharedGatewayApp:
             app.withdraw()
 
     # -- requests ------------------------------------------------------------------------------------
-    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None:
-        if isinstance(exc, RequestTimedOut):
-            name = "request_timeout"
-        else:
-            name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
-        conn.message_done = True
-        try:
-            answer_error(conn, self.metrics, name, close=True)
-        except ClientGone:
-            pass
-
-    def _ok(self, conn: ClientConnection, body: bytes, content_type: bytes = b"application/json") -> bool:
-        self.metrics.count_response(200)
-        conn.respond(200, body, content_type=content_type, close=not conn.message_done)
-        return conn.message_done
-
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
         if self.draining:
             conn.keep_alive = False
@@ -214,11 +192,7 @@ class SharedGatewayApp:
             if decision.kind == "error":
                 return answer_error(conn, self.metrics, decision.error, close=decision.close)
             if decision.kind == "health":
-                if self.draining:
-                    self.metrics.count_response(503)
-                    conn.respond(503, b'{"status":"draining"}')
-                    return True
-                return self._ok(conn, b'{"status":"ok"}')
+                return self._health(conn, head)
             if decision.kind == "metrics":
                 return self._ok(conn, self.metrics.render(), metrics_module.CONTENT_TYPE_LATEST.encode())
             if decision.kind == "models":

@@ -310,16 +310,23 @@ def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler) -> None:
     log.info("drained")
 
 
+def _own_listeners(config: GatewayConfig) -> Listeners | None:
+    """The public and admin listeners of a one-process Pod (None, logged, when a port is taken). Not
+    SO_REUSEPORT: a second gateway process on the same port must fail, not share it."""
+    try:
+        return (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
+                listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
+    except OSError as exc:
+        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+        return None
+
+
 def run_single(config: GatewayConfig) -> int:
     """The one-worker Pod: this process serves, samples its demand and answers KEDA (see above)."""
     pod = PodState(1, config.max_queue, config.max_held_body_bytes)
     broadcaster = DemandBroadcaster()
-    try:
-        # Not SO_REUSEPORT: a second gateway process on the same port must fail, not share it.
-        listeners = (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
-                     listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
-    except OSError as exc:
-        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+    listeners = _own_listeners(config)
+    if listeners is None:
         return 1
     try:
         steps = _start_scaler(config, broadcaster, pod, in_process=True)
@@ -355,11 +362,8 @@ def run_shared(config: GatewayConfig) -> int:
         log.error("model table refused", extra={"error": table_file.error})
         return 2
     demand = ModelDemand()
-    try:
-        listeners = (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
-                     listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
-    except OSError as exc:
-        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+    listeners = _own_listeners(config)
+    if listeners is None:
         return 1
     steps: list[Callable[[], None]] = []
     if config.scaler_mode == "local":
