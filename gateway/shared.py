@@ -1,13 +1,13 @@
 """The handler of a shared gateway: one OpenAI endpoint for the models of a model table.
 
 WORK IN PROGRESS (branch wip/shared-gateway, issue 22). Built: routing by the body's top-level
-``model`` (bounded scan, gateway.jsonscan), ``GET /v1/models`` listing every model whether cold or
-warm (answered here: listing wakes nothing), 404 ``model_not_found`` for a model not in the table,
-one Pod-wide held-body budget, and per model everything the per-model gateway has (its own
+``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models`` listing every model whether cold or
+warm (answered here: listing wakes nothing); 404 ``model_not_found`` for a model not in the table;
+one Pod-wide held-body budget; per model everything the per-model gateway has (its own
 ``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
-pool). Not yet: API keys (refused at start), a ``model`` label on ``/metrics`` (the admin port
-answers ``/metrics`` with the Pod-level counters only), ``/noctaya/queue``, the scaler per
-ScaledObject, and the hooks that render it. Reloading: :meth:`SharedGatewayApp.apply`.
+pool); API keys per model (a model's key opens that model only); reloading (:meth:`apply`). Not
+yet: a ``model`` label on ``/metrics`` (the admin port answers the Pod-level counters only),
+``/noctaya/queue``, a listing filtered by the caller's key, and the hooks that render it.
 
 The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
 as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,
@@ -25,7 +25,7 @@ from urllib.parse import unquote
 import gevent
 
 from gateway import metrics as metrics_module
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
 from gateway.modeltable import ModelTable, ModelTableFile, TableChange
@@ -57,6 +57,16 @@ def _model_object(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "noctaya"}
 
 
+class _BearerPresent:
+    @staticmethod
+    def check(authorization: bytes | None) -> bool:
+        scheme, _, token = (authorization or b"").partition(b" ")
+        return scheme.lower() == b"bearer" and bool(token.strip())
+
+
+_BEARER_PRESENT = _BearerPresent()
+
+
 class SharedGatewayApp(AnswersHere):
     """Construct inside the hub thread that will serve it (like ``GatewayApp``)."""
 
@@ -67,9 +77,6 @@ class SharedGatewayApp(AnswersHere):
         self.table_file = table_file
         self.reload_seconds = reload_seconds
         self._reported: str | None = None
-        keyed = [name for name, model in table.models.items() if model.auth_key_file]
-        if keyed:
-            raise ConfigError(f"API keys are not supported by the shared gateway yet (set for {keyed[0]!r})")
         self.config = config
         self.clock = clock
         self.draining = False
@@ -100,6 +107,15 @@ class SharedGatewayApp(AnswersHere):
 
     def _list(self) -> bytes:
         return json.dumps({"object": "list", "data": [_model_object(n) for n in self.apps]}).encode()
+
+    @property
+    def _before_body(self) -> _BearerPresent | None:
+        """The key check before the body names its model: none while some model takes requests
+        without a key; else a bearer token must be there (which model's key it is, is checked once
+        the model is known: checking every model's key file here would read up to 256 files)."""
+        if any(app.auth is None for app in self.apps.values()):
+            return None
+        return _BEARER_PRESENT
 
     # -- membership ----------------------------------------------------------------------------------
     def apply(self, table: ModelTable) -> TableChange:
@@ -186,7 +202,7 @@ class SharedGatewayApp(AnswersHere):
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
         if self.draining:
             conn.keep_alive = False
-        decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=None,
+        decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=self._before_body,
                          max_body=self.config.max_body_bytes)
         try:
             if decision.kind == "error":
@@ -228,6 +244,8 @@ class SharedGatewayApp(AnswersHere):
             app = self.apps.get(model)
             if app is None:
                 return answer_error(conn, self.metrics, "model_not_found")
+            if app.auth is not None and not app.auth.check(head.authorization):
+                return answer_error(conn, self.metrics, "unauthorized")  # a key of another model, or none
             if len(data) > app.config.max_body_bytes:
                 return answer_error(conn, self.metrics, "too_large")
             return app.dispatch(conn, head, RequestBody(data, reservation))

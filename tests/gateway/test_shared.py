@@ -265,3 +265,48 @@ def test_a_shared_gateway_process_scales_each_model_on_its_own(backends, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_models_key_opens_that_model_only(backends, tmp_path) -> None:
+    """a and b have keys of their own; c has none. An anonymous request is refused before its body
+    only while every model is keyed; a's key never opens b, and never reaches a's backend."""
+    keys = {"a": tmp_path / "a.key", "b": tmp_path / "b.key"}
+    keys["a"].write_text("key-a\n")
+    keys["b"].write_text("key-b\n")
+    base = GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, scaler_mode="off", probe_interval_seconds=0.05,
+                         probe_timeout_seconds=0.5, ready_grace_seconds=0.5, max_held_body_bytes=64 * 2**20)
+
+    def serve(*names: str) -> ThreadedGateway:
+        entries = [{"name": n, "backendURL": backends[n].url, **({"authKeyFile": str(keys[n])} if n in keys else {})}
+                   for n in names]
+        table = parse_model_table(json.dumps({"models": entries}).encode(), base)
+        return ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table)).start()
+
+    def post(gw: ThreadedGateway, model: str, key: str | None) -> requests.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return requests.post(f"{gw.url}/v1/chat/completions", json={"model": model, "messages": MESSAGES},
+                             headers=headers, timeout=30)
+
+    for backend in backends.values():
+        backend.start()
+    keyed = serve("a", "b")
+    try:
+        anonymous = requests.post(f"{keyed.url}/v1/chat/completions", data=b"x" * 1000, timeout=10,
+                                  headers={"Content-Type": "application/json"})
+        assert (anonymous.status_code, anonymous.json()["error"]["code"]) == (401, "invalid_api_key")
+        assert post(keyed, "a", "key-a").status_code == 200
+        assert post(keyed, "b", "key-a").status_code == 401  # a's key does not open b
+        assert post(keyed, "b", "key-b").status_code == 200
+        assert post(keyed, "a", "wrong").status_code == 401
+        assert all("Authorization" not in h and "authorization" not in h
+                   for h in [backends["a"].last_headers, backends["b"].last_headers])
+    finally:
+        keyed.stop()
+    mixed = serve("a", "c")
+    try:
+        assert post(mixed, "c", None).status_code == 200  # c takes requests without a key
+        assert post(mixed, "a", None).status_code == 401
+        assert post(mixed, "a", "key-a").status_code == 200
+    finally:
+        mixed.stop()
