@@ -5,9 +5,9 @@ WORK IN PROGRESS (branch wip/shared-gateway, issue 22). Built: routing by the bo
 warm (answered here: listing wakes nothing); 404 ``model_not_found`` for a model not in the table;
 one Pod-wide held-body budget; per model everything the per-model gateway has (its own
 ``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
-pool); API keys per model (a model's key opens that model only); reloading (:meth:`apply`). Not
-yet: a ``model`` label on ``/metrics`` (the admin port answers the Pod-level counters only),
-``/noctaya/queue``, a listing filtered by the caller's key, and the hooks that render it.
+pool); API keys per model (a model's key opens that model only); ``/metrics`` with a ``model``
+label; reloading (:meth:`apply`). Not yet: ``/noctaya/queue``, a listing filtered by the caller's
+key, and the hooks that render it.
 
 The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
 as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,
@@ -55,6 +55,16 @@ RELOAD_SECONDS = 5.0
 
 def _model_object(name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "noctaya"}
+
+
+class _Families:
+    """A collector of metric families already built."""
+
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self) -> list:
+        return self._families
 
 
 class _BearerPresent:
@@ -198,6 +208,26 @@ class SharedGatewayApp(AnswersHere):
         for app in self.apps.values():
             app.withdraw()
 
+    def render_metrics(self) -> bytes:
+        """Every model's gateway metrics with a ``model`` label (bounded by the table's 256), and the
+        answers given before a model was known (unknown model, bad requests, refusals) as
+        ``model=""``."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import Metric
+
+        families: dict[str, Metric] = {}
+        for model, registry in [("", self.metrics.registry), *((n, a.metrics.registry) for n, a in self.apps.items())]:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                merged.samples.extend(sample._replace(labels={"model": model, **sample.labels})
+                                      for sample in family.samples)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(list(families.values())))
+        return generate_latest(registry)
+
     # -- requests ------------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
         if self.draining:
@@ -210,7 +240,7 @@ class SharedGatewayApp(AnswersHere):
             if decision.kind == "health":
                 return self._health(conn, head)
             if decision.kind == "metrics":
-                return self._ok(conn, self.metrics.render(), metrics_module.CONTENT_TYPE_LATEST.encode())
+                return self._ok(conn, self.render_metrics(), metrics_module.CONTENT_TYPE_LATEST.encode())
             if decision.kind == "models":
                 return self._models(conn, head)
             if decision.kind == "forward":

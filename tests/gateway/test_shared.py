@@ -310,3 +310,23 @@ def test_a_models_key_opens_that_model_only(backends, tmp_path) -> None:
         assert post(mixed, "a", "key-a").status_code == 200
     finally:
         mixed.stop()
+
+
+def test_metrics_carry_a_model_label_and_parse(shared, backends) -> None:
+    """One exposition for every model (promtool's parser would refuse a family twice): a's answers
+    under model="a", the unknown model's 404 under model=""."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    backends["b"].start()
+    assert requests.post(f"{shared.url}/v1/chat/completions", json={"model": "b", "messages": MESSAGES},
+                         timeout=30).status_code == 200
+    assert requests.post(f"{shared.url}/v1/chat/completions", json={"model": "x", "messages": MESSAGES},
+                         timeout=30).status_code == 404
+    text = requests.get(f"{shared.admin_url}/metrics", timeout=10).text
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names))
+    codes = {(s.labels["model"], s.labels.get("code")): s.value for f in families for s in f.samples
+             if s.name == "noctaya_gateway_requests_total"}
+    assert codes[("b", "200")] == 1 and codes[("", "404")] == 1 and codes.get(("a", "200"), 0) == 0
+    assert {s.labels["model"] for f in families for s in f.samples} == {"", "a", "b", "org/c"}
