@@ -6,8 +6,8 @@ warm (answered here: listing wakes nothing); 404 ``model_not_found`` for a model
 one Pod-wide held-body budget; per model everything the per-model gateway has (its own
 ``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
 pool); API keys per model (a model's key opens that model only); ``/metrics`` with a ``model``
-label; reloading (:meth:`apply`). Not yet: ``/noctaya/queue``, a listing filtered by the caller's
-key, and the hooks that render it.
+label; ``/noctaya/queue`` per model; reloading (:meth:`apply`). Not yet: a listing filtered by
+the caller's key, and the hooks that render it.
 
 The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
 as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,
@@ -208,6 +208,13 @@ class SharedGatewayApp(AnswersHere):
         for app in self.apps.values():
             app.withdraw()
 
+    def queue_json(self) -> bytes:
+        """``/noctaya/queue``: each model's admission, lease and readiness (as a per-model gateway
+        shows its own), and the Pod-wide held-body budget."""
+        models = ",".join(f"{json.dumps(name)}:{app.queue_json().decode()}" for name, app in self.apps.items())
+        return (f'{{"heldBytes":{self.budget.held_bytes},"heldBytesLimit":{self.budget.max_bytes},'
+                f'"draining":{json.dumps(self.draining)},"models":{{{models}}}}}').encode()
+
     def render_metrics(self) -> bytes:
         """Every model's gateway metrics with a ``model`` label (bounded by the table's 256), and the
         answers given before a model was known (unknown model, bad requests, refusals) as
@@ -245,7 +252,7 @@ class SharedGatewayApp(AnswersHere):
                 return self._models(conn, head)
             if decision.kind == "forward":
                 return self._forward(conn, head)
-            return answer_error(conn, self.metrics, "not_found")  # /noctaya/queue: not yet
+            return self._ok(conn, self.queue_json())  # /noctaya/queue
         except ClientGone:
             return False
 

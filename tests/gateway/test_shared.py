@@ -330,3 +330,10 @@ def test_metrics_carry_a_model_label_and_parse(shared, backends) -> None:
              if s.name == "noctaya_gateway_requests_total"}
     assert codes[("b", "200")] == 1 and codes[("", "404")] == 1 and codes.get(("a", "200"), 0) == 0
     assert {s.labels["model"] for f in families for s in f.samples} == {"", "a", "b", "org/c"}
+
+
+def test_the_queue_page_shows_each_model_and_the_pods_budget(shared) -> None:
+    page = requests.get(f"{shared.admin_url}/noctaya/queue", timeout=10).json()
+    assert list(page["models"]) == ["a", "b", "org/c"]
+    assert page["models"]["a"]["maxQueue"] == 2 and page["models"]["b"]["maxQueue"] == 8
+    assert page["heldBytes"] == 0 and page["heldBytesLimit"] == 64 * 2**20 and page["draining"] is False
