@@ -454,6 +454,11 @@ class Endpoint(ApiModel):
         "body at 140 KB/s). Raise it for clients on slow links sending large bodies.",
     )
     auth: EndpointAuth | None = Field(default=None, description="Optional client API-key authentication.")
+    gateway: DNSLabel | None = Field(
+        default=None,
+        description="Name of an LLMGateway in this namespace that fronts this model beside others (one base URL for "
+        "many models). Unset: this LLMService gets its own gateway Deployment and Service (the default).",
+    )
     resources: ResourceRequirements | None = Field(
         default=None, description="Gateway container resources (defaults: 50m CPU, 64Mi request; 512Mi limit)."
     )
