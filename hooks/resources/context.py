@@ -45,12 +45,8 @@ class RenderContext:
         *, service_type: str = "ClusterIP", annotations: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """A Service of this LLMService, labelled `component`, selecting the Pods of `selects`."""
-        return {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self.metadata(name, component, annotations),
-            "spec": {"type": service_type, "selector": labels.selector(self.name, selects), "ports": ports},
-        }
+        return service_object(self.metadata(name, component, annotations), labels.selector(self.name, selects), ports,
+                              service_type)
 
     def seconds(self, duration: str) -> int:
         return int(duration_seconds(duration))
@@ -71,6 +67,17 @@ GATEWAY_PORT = 8080
 ADMIN_PORT = 9092  # the gateway's /metrics and /noctaya/queue (never on a Service)
 PUBLIC_PORT = 80
 METRIC_NAME = "noctaya-demand"
+
+
+def service_object(metadata: dict[str, Any], selector: dict[str, str], ports: list[dict[str, Any]],
+                   service_type: str = "ClusterIP") -> dict[str, Any]:
+    """A Service of any owner selecting the Pods `selector` picks."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {"type": service_type, "selector": selector, "ports": ports},
+    }
 
 
 def tcp_port(name: str, port: int, **extra: str) -> dict[str, Any]:
