@@ -491,6 +491,19 @@ LLM_SAMPLES += [
      "scaling.schedules[].replicas must not exceed scaling.max"),
 ]
 
+# A member of a shared gateway (endpoint.gateway): the LLMGateway carries API keys and replicas,
+# and scaler TLS is not supported there yet.
+_MEMBER = {"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}}
+LLM_SAMPLES += [
+    ({**_MEMBER, "endpoint": {"gateway": "chat", "maxQueue": 20, "coldRequestMode": "reject", "replicas": 1}}, None),
+    ({**_MEMBER, "endpoint": {"gateway": "chat", "auth": {"secretRef": {"name": "api-key"}}}},
+     "endpoint.auth is not allowed with endpoint.gateway: the LLMGateway carries the API keys"),
+    ({**_MEMBER, "endpoint": {"gateway": "chat", "replicas": 2}},
+     "endpoint.replicas must be 1 with endpoint.gateway: the LLMGateway's replicas serve this model"),
+    ({**_MEMBER, "endpoint": {"gateway": "chat"}, "scalerTLS": {"secretName": "t", "triggerAuthentication": "k"}},
+     "scalerTLS is not supported with endpoint.gateway yet"),
+]
+
 RUNTIME_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
     ({"engine": "vllm", "image": "vllm/vllm-openai:v0.6.3"}, None),
     ({"engine": "custom", "image": "x", "command": ["/serve"]}, None),
