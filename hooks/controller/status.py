@@ -317,10 +317,8 @@ def gateway_condition(
 
 # --- shared gateway (spec.endpoint.gateway) -----------------------------------------------------
 
-# GatewayReady of a member of a shared gateway, beside the LLMGateway's own not-ready reason (passed
-# through): no such LLMGateway, or it exists but does not list this model.
-GATEWAY_NOT_FOUND = "GatewayNotFound"
-NOT_LISTED = "NotListed"
+# GatewayReady of a member of a shared gateway is GatewayNotFound, NotListed, or the LLMGateway's own
+# not-ready reason (passed through).
 # metav1.Condition's reason grammar: a foreign reason that does not fit is not passed through.
 _REASON_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 
@@ -338,11 +336,11 @@ def shared_gateway_condition(gateway: dict[str, Any] | None, gateway_name: str, 
     gateway's own not-ready reason, then a model not listed (yet)."""
     t = ConditionType.GATEWAY_READY
     if gateway is None:
-        return Cond(t, "False", GATEWAY_NOT_FOUND, f"LLMGateway {gateway_name} does not exist in this namespace")
+        return Cond(t, "False", Reason.GATEWAY_NOT_FOUND, f"LLMGateway {gateway_name} does not exist in this namespace")
     listed = _listed_models(gateway)
     others = sorted({svc for name, svc in listed if name == served_name and svc not in ("", service_name)})
     if others:
-        return Cond(t, "False", NOT_LISTED, short(
+        return Cond(t, "False", Reason.NOT_LISTED, short(
             f"LLMGateway {gateway_name} serves model {served_name} from LLMService {others[0]}, not this one: "
             "served names must be unique behind one gateway (set spec.model.servedName)"))
     ready = next((c for c in _as_list(_as_dict(gateway.get("status")).get("conditions"))
@@ -353,7 +351,7 @@ def shared_gateway_condition(gateway: dict[str, Any] | None, gateway_name: str, 
         detail = _text((ready or {}).get("message")) or ("not Ready" if ready else "no Ready condition yet")
         return Cond(t, "False", reason, short(f"LLMGateway {gateway_name}: {detail}"))
     if (served_name, service_name) not in listed and (served_name, "") not in listed:
-        return Cond(t, "False", NOT_LISTED, f"LLMGateway {gateway_name} does not list model {served_name} (yet)")
+        return Cond(t, "False", Reason.NOT_LISTED, f"LLMGateway {gateway_name} does not list model {served_name} (yet)")
     return Cond(t, "True", Reason.AVAILABLE, f"LLMGateway {gateway_name} serves model {served_name}")
 
 

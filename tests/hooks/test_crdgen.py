@@ -20,6 +20,7 @@ from hooks.api.llmservice import LLMService, LLMServiceSpec
 from hooks.api.pool import AcceleratorPool, AcceleratorPoolSpec
 from hooks.api.runtime import InferenceRuntime, InferenceRuntimeSpec
 from hooks.api.status import ConditionType, Reason
+from hooks.controller.llmgateway import GatewayReason
 from prewarm import sources
 
 REPO = Path(__file__).resolve().parents[2]
@@ -760,7 +761,7 @@ def test_unions_and_missing_descriptions_are_refused() -> None:
 def test_troubleshooting_documents_every_reason_and_condition() -> None:
     text = (REPO / "docs" / "troubleshooting.md").read_text(encoding="utf-8")
     headings = {line.lstrip("#").strip().strip("`") for line in text.splitlines() if line.startswith("#")}
-    missing = [r.value for r in Reason if r.value not in headings]
+    missing = [r.value for r in [*Reason, *GatewayReason] if r.value not in headings]
     assert missing == [], f"docs/troubleshooting.md has no section for {missing}"
     assert [c.value for c in ConditionType if c.value not in text] == []
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from hooks import crdgen
 from hooks.api.llmservice import LLMService
 from hooks.app import create_app
-from hooks.controller import autoscaling, customize, sync
+from hooks.controller import autoscaling, customize, finalize, sync
 from hooks.controller import observe as obs
 from hooks.resources import autoscaling as autoscaling_resource
 from hooks.resources import names
@@ -341,3 +341,35 @@ def test_an_unchanged_world_gets_byte_identical_answers_through_the_app() -> Non
     client = create_app(config=h.config()).test_client()
     first, second = (client.post(DECORATOR_PATH, data=decorator, content_type="application/json").get_data() for _ in range(2))
     assert first == second and json.loads(first)["attachments"][0]["spec"]["triggers"][0]["metadata"]["model"] == SERVED
+
+
+# --- deletion -----------------------------------------------------------------------------------
+
+
+def _deleting_member_request(gateway: dict | None, pods: list[dict], gone: bool = False) -> dict:
+    status, observed = running(member(), llmgateway())
+    parent = member(status=status)
+    parent["metadata"]["deletionTimestamp"] = "2026-01-01T02:00:00Z"
+    return h.sync_request(parent, children=[] if gone else observed, pods=pods, finalizing=True,
+                          gateways=[] if gateway is None else [gateway])
+
+
+def test_a_deleted_member_keeps_its_backend_while_the_llmgateway_still_routes_to_it() -> None:
+    ready_pod = h.pod("qwen-backend-7d9f-abcde", ready=True)
+    answer = finalize.finalize(_deleting_member_request(llmgateway(), [ready_pod]), h.config())
+    assert not answer["finalized"]
+    # Even with the backend already gone, teardown is not done while the gateway lists the model.
+    assert not finalize.finalize(_deleting_member_request(llmgateway(), [], gone=True), h.config())["finalized"]
+    assert {c["metadata"]["labels"]["serving.noctaya.io/component"] for c in answer["children"]} >= {"backend"}
+    assert "waiting for LLMGateway chat to stop routing" in cond(answer, "Ready")["message"]
+
+
+@pytest.mark.parametrize("gateway", [llmgateway(models=[]), None,
+                                     llmgateway(models=[{"name": SERVED, "service": "another"}])],
+                         ids=["no-longer-listed", "gateway-gone", "the-name-is-another-members"])
+def test_once_the_llmgateway_stops_routing_the_member_its_backend_goes_and_teardown_completes(gateway: dict | None) -> None:
+    answer = finalize.finalize(_deleting_member_request(gateway, [h.pod("qwen-backend-7d9f-abcde", ready=True)]),
+                               h.config())
+    assert answer["children"] == [] and not answer["finalized"]  # the backend Pod still drains
+    done = finalize.finalize(_deleting_member_request(gateway, [], gone=True), h.config())
+    assert done["children"] == [] and done["finalized"]
