@@ -43,7 +43,7 @@ demo-prewarm: $(STAMP)
 	$(PY) -m demo.prewarm
 
 render: $(STAMP)
-	$(PY) -m hooks render examples/runtimes examples/models
+	$(PY) -m hooks render examples/runtimes examples/models examples/gateways
 
 crds: $(STAMP)
 	$(PY) -m hooks.crdgen --out crds --api-reference docs/api.md

@@ -1,8 +1,9 @@
-"""Offline rendering, like `helm template`: LLMService + InferenceRuntime YAML in, children out.
+"""Offline rendering, like `helm template`: LLMService, LLMGateway + InferenceRuntime YAML in, children out.
 
 Each LLMService gets the synthetic v2 requests Metacontroller would send on first sight (nothing
 observed yet, KEDA's CRD present, every given runtime related), through the very same `sync` and
-decorator `sync` the cluster uses. Documents of other kinds are ignored.
+decorator `sync` the cluster uses; each LLMGateway its sync with the given LLMServices and runtimes
+related (its members are those of its namespace that name it). Documents of other kinds are ignored.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from hooks.api.llmgateway import LLMGateway
 from hooks.api.llmservice import LLMService
 from hooks.api.runtime import InferenceRuntime
 from hooks.api.status import ConditionType
 from hooks.config import HookConfig, resolve
-from hooks.controller import autoscaling, sync
+from hooks.controller import autoscaling, llmgateway, sync
 from hooks.controller import observe as obs
 from hooks.errors import describe_validation_error
 
@@ -59,6 +61,7 @@ def render_documents(
     cfg = resolve(config)
     runtimes: dict[str, dict[str, Any]] = {}
     services: list[tuple[int, dict[str, Any]]] = []
+    gateways: list[tuple[int, dict[str, Any]]] = []
     for index, doc in enumerate(documents):
         if not isinstance(doc, dict):
             raise RenderError(f"document {index + 1} is not a Kubernetes object")
@@ -77,6 +80,12 @@ def render_documents(
             except ValidationError as exc:
                 raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
             services.append((index, _with_identity(doc, namespaced=True)))
+        elif kind == "LLMGateway":
+            try:
+                LLMGateway.model_validate({k: v for k, v in doc.items() if k != "status"})
+            except ValidationError as exc:
+                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            gateways.append((index, _with_identity(doc, namespaced=True)))
 
     crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": obs.KEDA_CRD_NAME}}
     related_runtimes = {name: runtimes[name] for name in sorted(runtimes)}
@@ -118,4 +127,23 @@ def render_documents(
             cfg,
         )
         rendered.extend(decorated["attachments"])
+    for index, gateway in gateways:
+        meta = gateway["metadata"]
+        key = ("LLMGateway", meta["namespace"], meta["name"])
+        if key in seen:
+            raise RenderError(f"{_where(gateway, index, sources)} is given twice")
+        seen.add(key)
+        members = {f"{s['metadata']['namespace']}/{s['metadata']['name']}": s for _, s in services
+                   if s["metadata"]["namespace"] == meta["namespace"]}
+        answer = llmgateway.sync({
+            "controller": {"metadata": {"name": "noctaya-llmgateway"}},
+            "parent": gateway,
+            "children": {},
+            "related": {obs.RUNTIME: related_runtimes, llmgateway.LLMSERVICE: members},
+            "finalizing": False,
+        }, cfg)
+        for cond in answer["status"]["conditions"]:
+            if cond["type"] == llmgateway.MEMBERS_ACCEPTED and cond["status"] != "True":
+                raise RenderError(f"{_where(gateway, index, sources)}: {cond['message']}")
+        rendered.extend(answer["children"])
     return rendered
