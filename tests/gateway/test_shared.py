@@ -337,3 +337,34 @@ def test_the_queue_page_shows_each_model_and_the_pods_budget(shared) -> None:
     assert list(page["models"]) == ["a", "b", "org/c"]
     assert page["models"]["a"]["maxQueue"] == 2 and page["models"]["b"]["maxQueue"] == 8
     assert page["heldBytes"] == 0 and page["heldBytesLimit"] == 64 * 2**20 and page["draining"] is False
+
+
+def test_a_models_key_files_each_open_it(backends, tmp_path) -> None:
+    """authKeyFiles: a key in any of a's files opens a (each team its own Secret), none opens b."""
+    for name in ("team1", "team2", "b"):
+        (tmp_path / name).write_text(f"key-{name}\n")
+    base = GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, scaler_mode="off", probe_interval_seconds=0.05,
+                         probe_timeout_seconds=0.5, ready_grace_seconds=0.5, max_held_body_bytes=64 * 2**20)
+    table = parse_model_table(json.dumps({"models": [
+        {"name": "a", "backendURL": backends["a"].url,
+         "authKeyFiles": [str(tmp_path / "team1"), str(tmp_path / "team2")]},
+        {"name": "b", "backendURL": backends["b"].url, "authKeyFile": str(tmp_path / "b")},
+    ]}).encode(), base)
+    backends["a"].start()
+    backends["b"].start()
+    gw = ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table)).start()
+    try:
+        def ask(model: str, key: str) -> int:
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=30)
+            try:
+                return 200 if client.chat.completions.create(model=model, messages=MESSAGES).choices else 0
+            except openai.APIStatusError as exc:
+                return exc.status_code
+        assert ask("a", "key-team1") == ask("a", "key-team2") == 200
+        assert ask("b", "key-team1") == ask("a", "key-b") == ask("a", "key-team3") == 401
+        (tmp_path / "team1").unlink()  # team1's Secret gone: its key opens nothing, team2's still does
+        assert ask("a", "key-team1") == 401 and ask("a", "key-team2") == 200
+        assert posts(backends["a"]) == 3 and posts(backends["b"]) == 0
+    finally:
+        gw.stop()
