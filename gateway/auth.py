@@ -47,10 +47,15 @@ class KeyFileAuthenticator:
         self.key_files = files
         self._warned: set[str] = set()
 
-    def _expected_keys(self) -> list[bytes]:
+    def _expected_keys(self, read: dict[str, bytes | None] | None = None) -> list[bytes]:
         keys = []
         for path in self.key_files:
-            key = read_secret_file(path)
+            if read is None:
+                key = read_secret_file(path)
+            elif path in read:
+                key = read[path]
+            else:
+                key = read[path] = read_secret_file(path)
             if key is None:
                 if path not in self._warned:  # once per file until it is readable again: the path only
                     log.warning("auth key file missing, empty or larger than %d bytes; it opens nothing",
@@ -68,6 +73,13 @@ class KeyFileAuthenticator:
         if not expected or presented is None:
             return False
         return self.matches(presented, expected)
+
+    def opens(self, presented: bytes, read: dict[str, bytes | None]) -> bool:
+        """Whether the bearer token ``presented`` matches a key of these files; ``read`` holds the
+        files already read for the same request (several models may share a key file: one read
+        each per request)."""
+        expected = self._expected_keys(read)
+        return bool(expected) and self.matches(presented, expected)
 
     @staticmethod
     def matches(presented: bytes, expected: Sequence[bytes]) -> bool:

@@ -25,6 +25,7 @@ from urllib.parse import unquote
 import gevent
 
 from gateway import metrics as metrics_module
+from gateway.auth import bearer_token
 from gateway.config import GatewayConfig
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
@@ -123,9 +124,22 @@ class SharedGatewayApp(AnswersHere):
         """The key check before the body names its model: none while some model takes requests
         without a key; else a bearer token must be there (which model's key it is, is checked once
         the model is known: checking every model's key file here would read up to 256 files)."""
-        if any(app.auth is None for app in self.apps.values()):
+        if not self._all_keyed:
             return None
         return _BEARER_PRESENT
+
+    @property
+    def _all_keyed(self) -> bool:
+        return bool(self.apps) and all(app.auth is not None for app in self.apps.values())
+
+    def _visible(self, authorization: bytes | None) -> list[str]:
+        """The models this caller may see: those without keys, and those its bearer key opens.
+        Each key file is read once per request, however many models share it (up to 256 models of
+        16 files: a listing's cost is bounded by the table, and it is a rare call)."""
+        presented = bearer_token(authorization)
+        read: dict[str, bytes | None] = {}
+        return [name for name, app in self.apps.items()
+                if app.auth is None or (presented is not None and app.auth.opens(presented, read))]
 
     # -- membership ----------------------------------------------------------------------------------
     def apply(self, table: ModelTable) -> TableChange:
@@ -257,12 +271,23 @@ class SharedGatewayApp(AnswersHere):
             return False
 
     def _models(self, conn: ClientConnection, head: RequestHead) -> bool:
-        """From the table, whether each model is cold or warm: listing never wakes a model."""
+        """From the table, whether each model is cold or warm: listing never wakes a model. Only the
+        models the caller may use are shown; one it may not is not found, exactly like an unknown
+        one, so a key never learns which other models exist. A key that opens nothing while every
+        model is keyed is refused, as its request for any model would be."""
         path = head.path
         model_id = unquote(path[len("/v1/models/"):]) if len(path) > len("/v1/models/") else ""
+        if not any(app.auth is not None for app in self.apps.values()):  # nothing keyed: no file read
+            visible = list(self.apps)
+        else:
+            visible = self._visible(head.authorization)
+            if not visible and self._all_keyed:
+                return answer_error(conn, self.metrics, "unauthorized")
         if not model_id:
-            return self._ok(conn, self._listing)
-        if model_id in self.apps:
+            if len(visible) == len(self.apps):
+                return self._ok(conn, self._listing)
+            return self._ok(conn, json.dumps({"object": "list", "data": [_model_object(n) for n in visible]}).encode())
+        if model_id in visible:
             return self._ok(conn, json.dumps(_model_object(model_id)).encode())
         return answer_error(conn, self.metrics, "model_not_found")
 

@@ -368,3 +368,70 @@ def test_a_models_key_files_each_open_it(backends, tmp_path) -> None:
         assert posts(backends["a"]) == 3 and posts(backends["b"]) == 0
     finally:
         gw.stop()
+
+
+def test_the_listing_shows_only_what_the_callers_key_opens(backends, tmp_path) -> None:
+    """Two teams' keys scoped to different models, through the real openai client: each lists and
+    retrieves only its own models; a model it cannot open answers exactly like one that does not
+    exist; a key that opens nothing is refused while every model is keyed. With an open model in the
+    table, an anonymous caller or a wrong key sees only the open one."""
+    for name in ("team1", "team2", "both"):
+        (tmp_path / name).write_text(f"key-{name}\n")
+    base = GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, scaler_mode="off", probe_interval_seconds=0.05,
+                         probe_timeout_seconds=0.5, ready_grace_seconds=0.5, max_held_body_bytes=64 * 2**20)
+
+    def serve(*entries: dict) -> ThreadedGateway:
+        table = parse_model_table(json.dumps({"models": list(entries)}).encode(), base)
+        return ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table)).start()
+
+    def keys(*names: str) -> list[str]:
+        return [str(tmp_path / n) for n in names]
+
+    def client(gw: ThreadedGateway, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+    a = {"name": "a", "backendURL": backends["a"].url, "authKeyFiles": keys("team1", "both")}
+    b = {"name": "org/b", "backendURL": backends["b"].url, "authKeyFiles": keys("team2", "both")}
+    backends["a"].start()
+    gw = serve(a, b)
+    try:
+        team1, team2, both = client(gw, "key-team1"), client(gw, "key-team2"), client(gw, "key-both")
+        assert [m.id for m in team1.models.list()] == ["a"]
+        assert [m.id for m in team2.models.list()] == ["org/b"]
+        assert [m.id for m in both.models.list()] == ["a", "org/b"]
+        assert team1.models.retrieve("a").id == "a" and both.models.retrieve("org/b").id == "org/b"
+        with pytest.raises(openai.NotFoundError) as hidden:
+            team1.models.retrieve("org/b")
+        assert hidden.value.code == "model_not_found"
+        # No existence leak: the answer for a model this key cannot open is byte for byte that of
+        # a model nobody has.
+        def raw(model: str) -> tuple[int, bytes]:
+            answer = requests.get(f"{gw.url}/v1/models/{model}", headers={"Authorization": "Bearer key-team1"},
+                                  timeout=10)
+            return answer.status_code, answer.content
+        assert raw("org%2Fb") == raw("org%2Fnope") and raw("org%2Fb")[0] == 404
+        for wrong in (client(gw, "key-team3"),):
+            with pytest.raises(openai.AuthenticationError):
+                wrong.models.list()
+            with pytest.raises(openai.AuthenticationError):
+                wrong.models.retrieve("a")
+        anonymous = requests.get(f"{gw.url}/v1/models", timeout=10)
+        assert (anonymous.status_code, anonymous.json()["error"]["code"]) == (401, "invalid_api_key")
+        assert team1.chat.completions.create(model="a", messages=MESSAGES).choices
+        with pytest.raises(openai.AuthenticationError):
+            team1.chat.completions.create(model="org/b", messages=MESSAGES)
+        assert all(b.health_checks == 0 for b in (backends["b"], backends["c"]))  # listing woke nothing
+    finally:
+        gw.stop()
+
+    gw = serve(a, {"name": "org/c", "backendURL": backends["c"].url})
+    try:
+        open_listing = requests.get(f"{gw.url}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in open_listing] == ["org/c"]
+        assert [m.id for m in client(gw, "key-team3").models.list()] == ["org/c"]
+        assert [m.id for m in client(gw, "key-team1").models.list()] == ["a", "org/c"]
+        with pytest.raises(openai.NotFoundError):
+            client(gw, "key-team2").models.retrieve("a")
+    finally:
+        gw.stop()
