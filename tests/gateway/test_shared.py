@@ -6,10 +6,15 @@ model gets OpenAI's 404 model_not_found."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -435,3 +440,196 @@ def test_the_listing_shows_only_what_the_callers_key_opens(backends, tmp_path) -
             client(gw, "key-team2").models.retrieve("a")
     finally:
         gw.stop()
+
+
+def _start_gateway_process(table: Path, **env_extra: str) -> tuple[subprocess.Popen, int]:
+    """`python -m gateway` as a shared gateway on free ports; returns it once /healthz answers."""
+    from tests.gateway.fakebackend import free_port
+
+    port, admin = free_port(), free_port()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "NOCTAYA_MODEL_TABLE_FILE": str(table),
+           "NOCTAYA_LISTEN_HOST": "127.0.0.1", "NOCTAYA_LISTEN_PORT": str(port), "NOCTAYA_ADMIN_PORT": str(admin),
+           "NOCTAYA_GATEWAY_WORKERS": "1", "NOCTAYA_PROBE_INTERVAL_SECONDS": "0.05",
+           "NOCTAYA_READY_GRACE_SECONDS": "0.5", **env_extra}
+    proc = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]  # type: ignore[union-attr]
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok:
+                return proc, port
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "shared gateway not listening"
+        time.sleep(0.05)
+
+
+def test_two_reporting_shared_gateways_scale_each_model_through_the_aggregator(backends, tmp_path) -> None:
+    """Report mode (a shared gateway with two replicas): both replicas report every model's demand to
+    `python -m scaler aggregate`; b's ScaledObject (trigger metadata model=b) sees b's cold requests
+    summed over the replicas, a's stays inactive with metric 0, a model nobody reported is inactive
+    (not NOT_FOUND), and a SIGTERMed replica withdraws its demand."""
+    import queue
+    import re
+
+    import grpc
+
+    from scaler import externalscaler_pb2 as pb
+    from scaler import externalscaler_pb2_grpc as pb_grpc
+
+    token = tmp_path / "token"
+    token.write_text("report-token")
+    table = tmp_path / "models.json"
+    table.write_text(json.dumps({"models": [{"name": n, "backendURL": backends[n].url} for n in ("a", "b")]}))
+    root = Path(__file__).resolve().parents[2]
+    aggregator = subprocess.Popen(
+        [sys.executable, "-m", "scaler", "aggregate", "--host", "127.0.0.1", "--report-port", "0", "--scaler-port",
+         "0", "--drain-grace-seconds", "1"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root), "NOCTAYA_AGGREGATOR_TOKEN_FILE": str(token)},
+        stderr=subprocess.PIPE, text=True)
+    gateways: list[subprocess.Popen] = []
+    channel = None
+    cold: list[threading.Thread] = []
+    results: list[int] = []
+    try:
+        assert aggregator.stderr is not None
+        ports = None
+        deadline = time.monotonic() + 30
+        while ports is None:
+            assert time.monotonic() < deadline and aggregator.poll() is None, "aggregate scaler did not start"
+            match = re.search(r"reports on [\d.]+:(\d+), gRPC on [\d.]+:(\d+)", aggregator.stderr.readline())
+            ports = match and tuple(map(int, match.groups()))
+        report_port, grpc_port = ports
+        report_env = {"NOCTAYA_SCALER_MODE": "report", "NOCTAYA_AGGREGATOR_TOKEN_FILE": str(token),
+                      "NOCTAYA_AGGREGATOR_URL": f"http://127.0.0.1:{report_port}/v1/report"}
+        started = [_start_gateway_process(table, **report_env) for _ in range(2)]
+        gateways = [proc for proc, _ in started]
+        gateway_ports = [port for _, port in started]
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb_grpc.ExternalScalerStub(channel)
+
+        def ref(model: str | None) -> pb.ScaledObjectRef:
+            return pb.ScaledObjectRef(name=f"so-{model}", namespace="ns",
+                                      scalerMetadata={"model": model} if model else {})
+
+        def metric(model: str | None) -> int:
+            return stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(model), metricName="noctaya-demand"),
+                                   timeout=5).metricValues[0].metricValue
+
+        pushes: dict[str, queue.Queue] = {"a": queue.Queue(), "b": queue.Queue()}
+        for model, q in pushes.items():
+            def follow(m: str = model, q: queue.Queue = q) -> None:
+                try:
+                    for answer in stub.StreamIsActive(ref(m)):
+                        q.put(answer.result)
+                except grpc.RpcError:  # the channel closes at the end
+                    pass
+            threading.Thread(target=follow, daemon=True).start()
+        assert pushes["a"].get(timeout=10) is False and pushes["b"].get(timeout=10) is False
+
+        for port in gateway_ports:  # one cold request for b on each replica
+            thread = threading.Thread(target=lambda p=port: results.append(requests.post(
+                f"http://127.0.0.1:{p}/v1/chat/completions", json={"model": "b", "messages": MESSAGES},
+                timeout=60).status_code))
+            thread.start()
+            cold.append(thread)
+        assert pushes["b"].get(timeout=10) is True
+        deadline = time.monotonic() + 10
+        while metric("b") != 2:  # summed over both replicas
+            assert time.monotonic() < deadline, "b's demand not summed over the replicas"
+            time.sleep(0.05)
+        assert stub.IsActive(ref("a"), timeout=5).result is False and metric("a") == 0 and pushes["a"].empty()
+        assert stub.IsActive(ref("never-listed"), timeout=5).result is False and metric("never-listed") == 0
+        assert metric(None) == 2  # no model: the sum over everything, as for a per-model gateway
+
+        backends["b"].start()
+        for thread in cold:
+            thread.join(30)
+        assert results == [200, 200] and posts(backends["a"]) == 0
+        deadline = time.monotonic() + 10
+        while metric("b") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for gateway in gateways:
+            gateway.send_signal(signal.SIGTERM)
+            assert gateway.wait(45) == 0
+    finally:
+        if channel is not None:
+            channel.close()
+        for proc in [*gateways, aggregator]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl CLI")
+def test_a_shared_gateways_scaler_serves_mutual_tls_per_model(backends, tmp_path) -> None:
+    """Scaler TLS in a shared gateway (local mode): the same three files as a per-model gateway's; KEDA's
+    client certificate gets each model's answer, a client without one gets nothing."""
+    import grpc
+
+    from scaler import externalscaler_pb2 as pb
+    from scaler import externalscaler_pb2_grpc as pb_grpc
+    from tests.gateway.fakebackend import free_port
+    from tests.pki import make_ca, make_leaf
+
+    for ca in ("ca", "rogue-ca"):
+        make_ca(tmp_path, ca)
+    make_leaf(tmp_path, "server", "ca", "serverAuth")
+    make_leaf(tmp_path, "keda", "ca", "clientAuth")
+    make_leaf(tmp_path, "intruder", "rogue-ca", "clientAuth")
+    table = tmp_path / "models.json"
+    table.write_text(json.dumps({"models": [{"name": n, "backendURL": backends[n].url} for n in ("a", "b")]}))
+    scaler = free_port()
+    proc, port = _start_gateway_process(
+        table, NOCTAYA_SCALER_MODE="local", NOCTAYA_SCALER_PORT=str(scaler),
+        NOCTAYA_SCALER_TLS_CERT_FILE=str(tmp_path / "server.crt"),
+        NOCTAYA_SCALER_TLS_KEY_FILE=str(tmp_path / "server.key"), NOCTAYA_SCALER_TLS_CA_FILE=str(tmp_path / "ca.crt"))
+
+    def stub(client: str | None) -> tuple[grpc.Channel, pb_grpc.ExternalScalerStub]:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=(tmp_path / "ca.crt").read_bytes(),
+            private_key=(tmp_path / f"{client}.key").read_bytes() if client else None,
+            certificate_chain=(tmp_path / f"{client}.crt").read_bytes() if client else None)
+        channel = grpc.secure_channel(f"127.0.0.1:{scaler}", creds,
+                                      options=[("grpc.ssl_target_name_override", "localhost")])
+        return channel, pb_grpc.ExternalScalerStub(channel)
+
+    def ref(model: str) -> pb.ScaledObjectRef:
+        return pb.ScaledObjectRef(name=model, namespace="ns", scalerMetadata={"model": model})
+
+    channels = []
+    try:
+        keda_channel, keda = stub("keda")
+        channels.append(keda_channel)
+        assert keda.IsActive(ref("a"), timeout=10).result is False
+        result: list[int] = []
+        cold = threading.Thread(target=lambda: result.append(requests.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "b", "messages": MESSAGES},
+            timeout=60).status_code))
+        cold.start()
+        deadline = time.monotonic() + 10
+        while not keda.IsActive(ref("b"), timeout=5).result:
+            assert time.monotonic() < deadline, "b's demand not answered over TLS"
+            time.sleep(0.05)
+        assert keda.IsActive(ref("a"), timeout=5).result is False
+        for client in (None, "intruder"):
+            channel, other = stub(client)
+            channels.append(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                other.IsActive(ref("b"), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        backends["b"].start()
+        cold.join(30)
+        assert result == [200]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(45) == 0
+    finally:
+        for channel in channels:
+            channel.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
