@@ -69,8 +69,8 @@ class GatewayConfig:
     max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
     gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
-    # A shared gateway (WORK IN PROGRESS): the models come from this file (gateway.modeltable), and
-    # backend_url / served_model_name are not used.
+    # A shared gateway: the models come from this file (gateway.modeltable), and backend_url /
+    # served_model_name are not used.
     model_table_file: str | None = None
 
     @property

@@ -1,8 +1,7 @@
 """The membership of a shared gateway: which models it fronts and each model's own settings.
 
-WORK IN PROGRESS (branch wip/shared-gateway, issue 22): nothing serves from this table yet.
-
-The table is a JSON file mounted from the routing ConfigMap the hooks render, reread when it
+``python -m gateway`` serves from this table when NOCTAYA_MODEL_TABLE_FILE names it
+(gateway.workers.run_shared, gateway.shared). The table is a JSON file mounted from a ConfigMap, reread when it
 changes (the kubelet swaps a ConfigMap volume's files atomically), so adding or removing a model
 needs no restart and no Kubernetes credentials in the gateway::
 
@@ -11,7 +10,8 @@ needs no restart and no Kubernetes credentials in the gateway::
       {"name": "llama", "backendURL": "http://llama-backend.models.svc:8000", "coldMode": "reject"}
     ]}
 
-Each entry sets only what belongs to one model (``MODEL_FIELDS``); every other setting (ports,
+Each entry sets only what belongs to one model (``MODEL_FIELDS``, and ``LIST_FIELDS``: the API key
+files, ``authKeyFiles``, any of which opens the model); every other setting (ports,
 connection bounds, client timeouts, the held-body budget, scaler TLS) is the Pod's and comes from
 the gateway's own configuration. A model's :class:`GatewayConfig` is the Pod's with the entry's
 fields replaced, validated by the same parsers as the environment.

@@ -1,13 +1,14 @@
 """The handler of a shared gateway: one OpenAI endpoint for the models of a model table.
 
-WORK IN PROGRESS (branch wip/shared-gateway, issue 22). Built: routing by the body's top-level
-``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models`` listing every model whether cold or
-warm (answered here: listing wakes nothing); 404 ``model_not_found`` for a model not in the table;
-one Pod-wide held-body budget; per model everything the per-model gateway has (its own
-``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
-pool); API keys per model (a model's key opens that model only); ``/metrics`` with a ``model``
-label; ``/noctaya/queue`` per model; reloading (:meth:`apply`). Not yet: a listing filtered by
-the caller's key, and the hooks that render it.
+Routing by the body's top-level ``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models``
+listing the models whether cold or warm (answered here: listing wakes nothing), only those the
+caller's key opens; 404 ``model_not_found`` for a model not in the table (or one the caller's key
+does not open, on ``/v1/models/<id>``); one Pod-wide held-body budget; per model everything the
+per-model gateway has (its own ``GatewayApp``: admission and ``maxQueue``, activation lease,
+readiness prober, cold modes, upstream pool); API keys per model (``authKeyFile`` or
+``authKeyFiles``: a model's keys open that model only); ``/metrics`` with a ``model`` label;
+``/noctaya/queue`` per model; reloading (:meth:`apply`). docs/architecture.md, "Shared gateway model
+table".
 
 The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
 as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,

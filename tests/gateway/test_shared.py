@@ -1,4 +1,4 @@
-"""The shared gateway's handler (gateway.shared, WORK IN PROGRESS): the real openai client with one base
+"""The shared gateway's handler (gateway.shared): the real openai client with one base
 URL in front of three models, real backends on 127.0.0.1. Listing wakes nothing, a request wakes only
 its own model, one model's flood at its maxQueue is refused for that model only, and an unknown
 model gets OpenAI's 404 model_not_found."""
