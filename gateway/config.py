@@ -39,6 +39,9 @@ class GatewayConfig:
     drain_grace_seconds: float = 30.0
     max_body_bytes: int = 8 * 1024 * 1024
     auth_key_file: str | None = None
+    # A shared gateway's model with several keys (``authKeyFiles`` in the model table, not an env
+    # variable): any of them opens the model. Set, it replaces auth_key_file.
+    auth_key_files: tuple[str, ...] = ()
     scaler_mode: str = "local"
     scaler_port: int = 9090
     scaling_target: int = 10
@@ -66,8 +69,8 @@ class GatewayConfig:
     max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
     gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
-    # A shared gateway (WORK IN PROGRESS): the models come from this file (gateway.modeltable), and
-    # backend_url / served_model_name are not used.
+    # A shared gateway: the models come from this file (gateway.modeltable), and backend_url /
+    # served_model_name are not used.
     model_table_file: str | None = None
 
     @property
@@ -76,6 +79,13 @@ class GatewayConfig:
         if self.max_connections_per_address is None:
             return max(1, self.max_connections // 2)
         return self.max_connections_per_address
+
+    @property
+    def key_files(self) -> tuple[str, ...]:
+        """The API key files a request may match (none: no key needed)."""
+        if self.auth_key_files:
+            return self.auth_key_files
+        return (self.auth_key_file,) if self.auth_key_file else ()
 
     @property
     def backend_host(self) -> str:

@@ -1,8 +1,7 @@
 """The membership of a shared gateway: which models it fronts and each model's own settings.
 
-WORK IN PROGRESS (branch wip/shared-gateway, issue 22): nothing serves from this table yet.
-
-The table is a JSON file mounted from the routing ConfigMap the hooks render, reread when it
+``python -m gateway`` serves from this table when NOCTAYA_MODEL_TABLE_FILE names it
+(gateway.workers.run_shared, gateway.shared). The table is a JSON file mounted from a ConfigMap, reread when it
 changes (the kubelet swaps a ConfigMap volume's files atomically), so adding or removing a model
 needs no restart and no Kubernetes credentials in the gateway::
 
@@ -11,7 +10,8 @@ needs no restart and no Kubernetes credentials in the gateway::
       {"name": "llama", "backendURL": "http://llama-backend.models.svc:8000", "coldMode": "reject"}
     ]}
 
-Each entry sets only what belongs to one model (``MODEL_FIELDS``); every other setting (ports,
+Each entry sets only what belongs to one model (``MODEL_FIELDS``, and ``LIST_FIELDS``: the API key
+files, ``authKeyFiles``, any of which opens the model); every other setting (ports,
 connection bounds, client timeouts, the held-body budget, scaler TLS) is the Pod's and comes from
 the gateway's own configuration. A model's :class:`GatewayConfig` is the Pod's with the entry's
 fields replaced, validated by the same parsers as the environment.
@@ -29,10 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.auth import MAX_KEY_FILES
 from gateway.config import ConfigError, GatewayConfig, parse_field
 from scaler.secretfiles import file_stamp
 
-__all__ = ["MODEL_FIELDS", "MAX_MODELS", "ModelTable", "ModelTableFile", "TableChange", "parse_model_table"]
+__all__ = ["MODEL_FIELDS", "LIST_FIELDS", "MAX_MODELS", "ModelTable", "ModelTableFile", "TableChange", "parse_model_table"]
 
 # JSON key of an entry -> the GatewayConfig field it sets.
 MODEL_FIELDS: dict[str, str] = {
@@ -48,6 +49,10 @@ MODEL_FIELDS: dict[str, str] = {
     "authKeyFile": "auth_key_file",
     "scalingTarget": "scaling_target",
     "backendAccelerators": "backend_accelerators",
+}
+# Fields whose value is a list, not one string or number (read by their own parser).
+LIST_FIELDS: dict[str, str] = {
+    "authKeyFiles": "auth_key_files",  # 1..MAX_KEY_FILES paths; a bearer key in any of them opens the model
 }
 MAX_MODELS = 256  # bounds per-model state, greenlets and the `model` metrics label
 MAX_TABLE_BYTES = 1024 * 1024
@@ -84,16 +89,32 @@ def _model_name(raw: Any, where: str) -> str:
     return raw
 
 
+def _key_files(raw: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_KEY_FILES:
+        raise ConfigError(f"{where}: authKeyFiles must be a list of 1 to {MAX_KEY_FILES} file paths")
+    paths: list[str] = []
+    for index, path in enumerate(raw):
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{where}: authKeyFiles[{index}] must be a non-empty string")
+        path = parse_field("auth_key_file", path)
+        if path in paths:
+            raise ConfigError(f"{where}: authKeyFiles[{index}] lists {path[:100]!r} twice")
+        paths.append(path)
+    return tuple(paths)
+
+
 def _model_config(entry: Any, index: int, base: GatewayConfig) -> GatewayConfig:
     where = f"models[{index}]"
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: must be an object")
     name = _model_name(entry.get("name"), where)
     where = f"models[{index}] ({name[:40]})"
-    unknown = sorted(set(entry) - set(MODEL_FIELDS) - {"name"})
+    unknown = sorted(set(entry) - set(MODEL_FIELDS) - set(LIST_FIELDS) - {"name"})
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)[:200]}; a model sets only "
-                          f"{', '.join(sorted(MODEL_FIELDS))}")
+                          f"{', '.join(sorted([*MODEL_FIELDS, *LIST_FIELDS]))}")
+    if "authKeyFile" in entry and "authKeyFiles" in entry:
+        raise ConfigError(f"{where}: authKeyFile and authKeyFiles: set one of them, not both")
     if "backendURL" not in entry:
         raise ConfigError(f"{where}: backendURL is required")
     values: dict[str, Any] = {"served_model_name": name}
@@ -107,6 +128,9 @@ def _model_config(entry: Any, index: int, base: GatewayConfig) -> GatewayConfig:
             values[field] = parse_field(field, str(raw))
         except ValueError as exc:
             raise ConfigError(f"{where}: {key}: {exc}") from None
+    if "authKeyFiles" in entry:
+        values["auth_key_files"] = _key_files(entry["authKeyFiles"], where)
+        values["auth_key_file"] = None  # the list is the model's whole set of keys
     config = dataclasses.replace(base, **values)
     if config.max_body_bytes > config.max_held_body_bytes:
         raise ConfigError(f"{where}: maxBodyBytes exceeds the Pod's held-body budget "

@@ -171,7 +171,7 @@ class GatewayApp(AnswersHere):
             activation_timeout=config.activation_timeout_seconds, ready_grace=config.ready_grace_seconds,
             metrics=self.metrics, probe=self._probe, probe_interval=config.probe_interval_seconds, clock=clock,
         )
-        self.auth = KeyFileAuthenticator(config.auth_key_file) if config.auth_key_file else None
+        self.auth = KeyFileAuthenticator(config.key_files) if config.key_files else None
         self.draining = False
         self._base = config.backend_base_path.encode("latin-1")
         self._host = config.backend_netloc.encode("latin-1")

@@ -1,13 +1,14 @@
 """The handler of a shared gateway: one OpenAI endpoint for the models of a model table.
 
-WORK IN PROGRESS (branch wip/shared-gateway, issue 22). Built: routing by the body's top-level
-``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models`` listing every model whether cold or
-warm (answered here: listing wakes nothing); 404 ``model_not_found`` for a model not in the table;
-one Pod-wide held-body budget; per model everything the per-model gateway has (its own
-``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
-pool); API keys per model (a model's key opens that model only); ``/metrics`` with a ``model``
-label; ``/noctaya/queue`` per model; reloading (:meth:`apply`). Not yet: a listing filtered by
-the caller's key, and the hooks that render it.
+Routing by the body's top-level ``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models``
+listing the models whether cold or warm (answered here: listing wakes nothing), only those the
+caller's key opens; 404 ``model_not_found`` for a model not in the table (or one the caller's key
+does not open, on ``/v1/models/<id>``); one Pod-wide held-body budget; per model everything the
+per-model gateway has (its own ``GatewayApp``: admission and ``maxQueue``, activation lease,
+readiness prober, cold modes, upstream pool); API keys per model (``authKeyFile`` or
+``authKeyFiles``: a model's keys open that model only); ``/metrics`` with a ``model`` label;
+``/noctaya/queue`` per model; reloading (:meth:`apply`). docs/architecture.md, "Shared gateway model
+table".
 
 The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
 as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,
@@ -25,6 +26,7 @@ from urllib.parse import unquote
 import gevent
 
 from gateway import metrics as metrics_module
+from gateway.auth import bearer_token
 from gateway.config import GatewayConfig
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
@@ -123,9 +125,22 @@ class SharedGatewayApp(AnswersHere):
         """The key check before the body names its model: none while some model takes requests
         without a key; else a bearer token must be there (which model's key it is, is checked once
         the model is known: checking every model's key file here would read up to 256 files)."""
-        if any(app.auth is None for app in self.apps.values()):
+        if not self._all_keyed:
             return None
         return _BEARER_PRESENT
+
+    @property
+    def _all_keyed(self) -> bool:
+        return bool(self.apps) and all(app.auth is not None for app in self.apps.values())
+
+    def _visible(self, authorization: bytes | None) -> list[str]:
+        """The models this caller may see: those without keys, and those its bearer key opens.
+        Each key file is read once per request, however many models share it (up to 256 models of
+        16 files: a listing's cost is bounded by the table, and it is a rare call)."""
+        presented = bearer_token(authorization)
+        read: dict[str, bytes | None] = {}
+        return [name for name, app in self.apps.items()
+                if app.auth is None or (presented is not None and app.auth.opens(presented, read))]
 
     # -- membership ----------------------------------------------------------------------------------
     def apply(self, table: ModelTable) -> TableChange:
@@ -257,12 +272,23 @@ class SharedGatewayApp(AnswersHere):
             return False
 
     def _models(self, conn: ClientConnection, head: RequestHead) -> bool:
-        """From the table, whether each model is cold or warm: listing never wakes a model."""
+        """From the table, whether each model is cold or warm: listing never wakes a model. Only the
+        models the caller may use are shown; one it may not is not found, exactly like an unknown
+        one, so a key never learns which other models exist. A key that opens nothing while every
+        model is keyed is refused, as its request for any model would be."""
         path = head.path
         model_id = unquote(path[len("/v1/models/"):]) if len(path) > len("/v1/models/") else ""
+        if not any(app.auth is not None for app in self.apps.values()):  # nothing keyed: no file read
+            visible = list(self.apps)
+        else:
+            visible = self._visible(head.authorization)
+            if not visible and self._all_keyed:
+                return answer_error(conn, self.metrics, "unauthorized")
         if not model_id:
-            return self._ok(conn, self._listing)
-        if model_id in self.apps:
+            if len(visible) == len(self.apps):
+                return self._ok(conn, self._listing)
+            return self._ok(conn, json.dumps({"object": "list", "data": [_model_object(n) for n in visible]}).encode())
+        if model_id in visible:
             return self._ok(conn, json.dumps(_model_object(model_id)).encode())
         return answer_error(conn, self.metrics, "model_not_found")
 

@@ -43,6 +43,7 @@ from gateway.drain import Drainer
 from gateway.logs import configure_logging
 from gateway.routes import GatewayApp
 from gateway.server import GatewayServer, ServedApp, listen_socket, reseed_request_ids
+from gateway.state.models import ModelDemand
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
 from scaler.secretfiles import exit_if_a_secret_is_missing
@@ -344,18 +345,16 @@ def run_single(config: GatewayConfig) -> int:
 
 
 def run_shared(config: GatewayConfig) -> int:
-    """A shared gateway (WORK IN PROGRESS, issue 22): one process serving every model of the table
-    file, the ExternalScaler answering per model, one sampler thread for all of them."""
+    """A shared gateway: one process serving every model of the table file, one sampler thread for
+    all of them, and the scaler side per model: ``local``, the ExternalScaler on this loop answering
+    each ScaledObject from its trigger's ``model`` (with the scaler TLS files, over mutual TLS as a
+    per-model gateway's); ``report`` (several replicas), every model's demand sent to the aggregator,
+    which answers per model."""
     from gateway.modeltable import ModelTableFile
     from gateway.shared import SharedGatewayApp
     from gateway.state.models import ModelDemand, ModelsSampler
-    from scaler.externalscaler import ScalerSettings
-    from scaler.h2server import start_h2_scaler_server
 
     assert config.model_table_file
-    if config.scaler_mode == "report" or config.scaler_tls_cert_file:
-        log.error("a shared gateway supports scaler mode local (no TLS) or off for now")
-        return 2
     table_file = ModelTableFile(config.model_table_file, config)
     table = table_file.poll()
     if table is None:
@@ -365,17 +364,11 @@ def run_shared(config: GatewayConfig) -> int:
     listeners = _own_listeners(config)
     if listeners is None:
         return 1
-    steps: list[Callable[[], None]] = []
-    if config.scaler_mode == "local":
-        settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
-                                  wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
-        try:
-            server = start_h2_scaler_server(DemandBroadcaster(), config.scaler_port, host=config.listen_host,
-                                            settings=settings, models=demand.broadcaster)
-        except OSError as exc:
-            log.error("cannot start the scaler", extra={"error": str(exc)})
-            return 1
-        steps.append(lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS))
+    try:
+        steps = _start_shared_scaler(config, demand)
+    except Exception as exc:
+        log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
+        return 1
     sampler = ModelsSampler(demand).start()
     log.info("shared gateway listening", extra={"port": listeners[0].getsockname()[1], "models": len(table.models)})
     try:
@@ -384,8 +377,39 @@ def run_shared(config: GatewayConfig) -> int:
     finally:
         sampler.withdraw()
         for step in steps:
-            step()
+            try:
+                step()
+            except Exception:  # one failing step must not keep the process alive
+                log.exception("shutdown step failed")
         sampler.stop()
+
+
+def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand) -> list[Callable[[], None]]:
+    """The scaler side of a shared gateway (see run_shared); returns its shutdown steps."""
+    if config.scaler_mode == "local":
+        from scaler.externalscaler import ScalerSettings
+        from scaler.h2server import start_h2_scaler_server
+        from scaler.tls import TLSFiles
+
+        tls = None
+        if config.scaler_tls_cert_file:  # load_config has checked the three files come together
+            assert config.scaler_tls_key_file and config.scaler_tls_ca_file
+            tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
+        settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
+                                  wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
+        server = start_h2_scaler_server(DemandBroadcaster(), config.scaler_port, host=config.listen_host,
+                                        settings=settings, tls=tls, models=demand.broadcaster)
+        return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+    if config.scaler_mode == "report":
+        from scaler.reporter import DemandReporter
+
+        assert config.aggregator_url and config.aggregator_token_file
+        reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, demand.changes,
+                                  previous_token_file=config.aggregator_previous_token_file,
+                                  ca_file=config.aggregator_ca_file, models=demand.demands,
+                                  on_model_pushed=demand.mark_pushed).start()
+        return [lambda: reporter.stop(withdraw=True)]
+    return []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

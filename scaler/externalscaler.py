@@ -141,15 +141,19 @@ class ExternalScalerServicer:
         *,
         sleep: Callable[[float], None] = time.sleep,
         models: Callable[[str], DemandBroadcaster | None] | None = None,
+        model_required: bool = True,
     ) -> None:
         # ``models``: a shared gateway's demand per model, looked up by the trigger metadata's
-        # ``model`` on every call (the table can change); ``source`` is then unused.
+        # ``model`` on every call (the table can change); ``source`` is then unused, unless
+        # ``model_required`` is False (the aggregate scaler, which also answers per-model gateways'
+        # triggers): a trigger without ``model`` is then answered from ``source``.
         # Called with the monotonic time each time a stream tells KEDA `true` after `false` or
         # nothing: the moment demand was pushed, which the gateway times activations by.
         self._on_activated = on_activated
         self._sleep = sleep  # gevent.sleep where the streams are greenlets
         self._source = source
         self._models = models
+        self._model_required = model_required
         self._settings = settings
         self._stopping = False
         self._streams_lock = threading.Lock()
@@ -187,11 +191,10 @@ class ExternalScalerServicer:
         self._interrupt()
 
     def _interrupt(self) -> None:
-        if self._models is None:
-            _interrupt(self._source)
-            return
         with self._streams_lock:
             sources = list(self._streaming)
+        if self._models is None or not self._model_required:
+            sources.append(self._source)
         for source in sources:
             _interrupt(source)
 
@@ -199,6 +202,8 @@ class ExternalScalerServicer:
         if self._models is None:
             return self._source
         name = ref.scalerMetadata.get(MODEL_METADATA_KEY, "")
+        if not name and not self._model_required:
+            return self._source
         if not name:
             context.abort(Status.INVALID_ARGUMENT,
                           f"trigger metadata {MODEL_METADATA_KEY} is required: this gateway fronts several models")

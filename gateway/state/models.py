@@ -1,5 +1,7 @@
-"""Demand per model in a shared gateway (WORK IN PROGRESS, issue 22): each model's Pod states and the
-broadcaster its ScaledObject's calls are answered from, and the one sampler thread that feeds them.
+"""Demand per model in a shared gateway: each model's Pod states and the broadcaster its
+ScaledObject's calls are answered from, and the one sampler thread that feeds them. In report mode
+(several replicas) the reporter sends every model's demand to the aggregator on each change of
+``ModelDemand.changes``.
 
 A model has one broadcaster for as long as the table lists it (KEDA's stream for it waits on that
 object, so it must survive a reload that changes the model's settings), and one or more Pod states:
@@ -37,6 +39,9 @@ class ModelDemand:
         self._lock = threading.Lock()
         self._pods: dict[str, list[PodState]] = {}
         self._broadcasters: dict[str, ModelBroadcaster] = {}
+        # The sum over the models, changed (forced) whenever any model's demand changes: what a
+        # reporter waits on (scaler.reporter).
+        self.changes = DemandBroadcaster()
 
     def pod_for(self, model: str, max_queue: int) -> PodState:
         """A new Pod state for ``model``'s new app (its held bytes count against the Pod's budget,
@@ -64,6 +69,16 @@ class ModelDemand:
 
     def broadcaster(self, model: str) -> DemandBroadcaster | None:
         return self._broadcasters.get(model)
+
+    def demands(self) -> dict[str, Demand]:
+        """Each model's demand as last published (bounded by the table and the models retiring)."""
+        with self._lock:
+            broadcasters = list(self._broadcasters.items())
+        return {name: broadcaster.current() for name, broadcaster in broadcasters}
+
+    def mark_pushed(self, model: str, when: float) -> None:
+        """``model``'s active demand reached KEDA (or the aggregator) at ``when``."""
+        self._mark_pushed(model, when)
 
     def _mark_pushed(self, model: str, when: float) -> None:
         for pod in self._pods.get(model, []):
@@ -93,7 +108,9 @@ class ModelsSampler:
 
     def publish_now(self) -> bool:
         """Publish every model's demand; whether any model may have warm traffic."""
-        busy = False
+        busy = changed = False
+        queued_sum = in_flight_sum = 0
+        lease_any = False
         seen: dict[int, float] = {}
         for _model, pods, broadcaster in self.demand.snapshot():
             queued = in_flight = 0
@@ -106,7 +123,11 @@ class ModelsSampler:
                 busy = busy or pod.any(BACKEND_READY)
             demand = Demand() if self.withdrawn else Demand(queued, in_flight, lease)
             busy = busy or demand.active
-            broadcaster.publish(demand)
+            changed = broadcaster.publish(demand) or changed
+            queued_sum += demand.queued
+            in_flight_sum += demand.in_flight
+            lease_any = lease_any or demand.lease_active
+        self.demand.changes.publish(Demand(queued_sum, in_flight_sum, lease_any), force=changed)
         self._transitions = seen
         return busy
 

@@ -4,6 +4,7 @@ is bad (a wrong ConfigMap must never drop the models already served)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -49,6 +50,13 @@ def test_each_model_gets_the_pods_settings_with_its_own_replaced() -> None:
     (table(entry("a", listenPort=1)), "unknown field(s) listenPort"),
     (table(entry("a", maxBodyBytes=64 * 2**20 + 1)), "held-body budget"),
     (table(entry("a"), entry("b"), entry("a")), "models[2]: 'a' is listed twice"),
+    (table(entry("a", authKeyFile="/k", authKeyFiles=["/k"])), "models[0] (a): authKeyFile and authKeyFiles"),
+    (table(entry("a", authKeyFiles=[])), "models[0] (a): authKeyFiles must be a list of 1 to 16"),
+    (table(entry("a", authKeyFiles="/k")), "authKeyFiles must be a list"),
+    (table(entry("a", authKeyFiles=[f"/k{i}" for i in range(17)])), "authKeyFiles must be a list of 1 to 16"),
+    (table(entry("a", authKeyFiles=["/k", 7])), "models[0] (a): authKeyFiles[1] must be a non-empty string"),
+    (table(entry("a", authKeyFiles=["/k", "  "])), "authKeyFiles[1] must be a non-empty string"),
+    (table(entry("a", authKeyFiles=["/k", "/k"])), "authKeyFiles[1] lists '/k' twice"),
 ])
 def test_a_bad_table_is_refused_naming_the_entry_and_field(doc: bytes, message: str) -> None:
     with pytest.raises(ConfigError) as refused:
@@ -70,6 +78,19 @@ def test_limits_hold_exactly_at_the_limit() -> None:
         parse_model_table(padded[:-1] + b" }", BASE)
     with pytest.raises(ConfigError, match="not JSON"):
         parse_model_table(b"[" * 100_000, BASE)  # nesting: refused, never a RecursionError
+
+
+def test_a_model_takes_one_key_file_or_a_list_of_up_to_16() -> None:
+    files = [f"/keys/team-{i}/api-key" for i in range(16)]
+    parsed = parse_model_table(table(entry("a", authKeyFiles=files), entry("b", authKeyFile="/keys/b"),
+                                     entry("c", authKeyFiles=[" /keys/c "])), BASE)
+    assert parsed.models["a"].key_files == tuple(files) and parsed.models["a"].auth_key_file is None
+    assert parsed.models["b"].key_files == ("/keys/b",)
+    assert parsed.models["c"].key_files == ("/keys/c",)
+    # A Pod-wide key file is replaced by a model's list, never added to it.
+    pod_keyed = dataclasses.replace(BASE, auth_key_file="/keys/pod")
+    assert parse_model_table(table(entry("a", authKeyFiles=["/keys/a"])), pod_keyed).models["a"].key_files == (
+        "/keys/a",)
 
 
 def test_diff_names_added_removed_and_changed_models() -> None:

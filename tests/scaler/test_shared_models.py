@@ -1,4 +1,4 @@
-"""One scaler endpoint for the ScaledObjects of a shared gateway (WORK IN PROGRESS, issue 22): each
+"""One scaler endpoint for the ScaledObjects of a shared gateway: each
 call is answered from the demand of the model its trigger metadata names, over a real gRPC channel on
 both hosts (grpcio, h2). Demand for model A never activates model B."""
 
