@@ -66,7 +66,8 @@ class GatewayAPIKey(ApiModel):
     models: list[ServedName] = Field(
         default_factory=list, max_length=MAX_KEY_MODELS,
         description="Served model names this key opens; empty: every model of the gateway. A model accepts exactly "
-        "the keys whose models list it or is empty; a model no key covers asks for none.",
+        "the keys whose models list it or is empty. With any key set, a model no key opens is not routed (the gateway "
+        "fails closed and says so in MembersAccepted).",
     )
 
 
@@ -85,7 +86,8 @@ class LLMGatewaySpec(ApiModel):
     request_timeout_seconds: int | None = _same_as(Endpoint, "request_timeout_seconds")
     api_keys: list[GatewayAPIKey] = Field(
         default_factory=list, max_length=MAX_API_KEYS,
-        description="Client API keys, each scoped to some models or to all. Without any, no model asks for a key.",
+        description="Client API keys, each scoped to some models or to all. Without any, no model asks for a key; "
+        "with any, every routed model asks for one.",
     )
     image_pull_secrets: list[LocalObjectReference] = Field(
         default_factory=list, max_length=16,

@@ -64,10 +64,11 @@ class GatewayReason(StrEnum):
     RUNTIME_NOT_RESOLVED = "RuntimeNotResolved"
     DUPLICATE_SERVED_NAME = "DuplicateServedName"
     TOO_MANY_MODELS = "TooManyModels"
+    NO_KEY_OPENS = "NoKeyOpens"
 
 
 _PROBLEM_ORDER = (GatewayReason.INVALID_MEMBER, GatewayReason.RUNTIME_NOT_RESOLVED,
-                  GatewayReason.DUPLICATE_SERVED_NAME, GatewayReason.TOO_MANY_MODELS)
+                  GatewayReason.DUPLICATE_SERVED_NAME, GatewayReason.TOO_MANY_MODELS, GatewayReason.NO_KEY_OPENS)
 
 
 def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
@@ -190,6 +191,14 @@ def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_stat
         for c in rest:
             out.problems.append((GatewayReason.DUPLICATE_SERVED_NAME,
                                  f"LLMService {c.service} serves {served!r} like the older {first.service}: not routed"))
+    if gw.spec.api_keys:
+        # Fail closed: with keys on the gateway, a model none of them opens is not served to everyone.
+        closed = [c for c in winners if not shared.key_files_for(gw.spec, c.served)]
+        if closed:
+            out.problems.append((GatewayReason.NO_KEY_OPENS, "no API key opens "
+                                 + ", ".join(f"{c.served} ({c.service})" for c in closed)
+                                 + ": not routed (add the model to a key's models, or a key without models)"))
+            winners = [c for c in winners if c not in closed]
     if len(winners) > MAX_MODELS:
         dropped = winners[MAX_MODELS:]
         out.problems.append((GatewayReason.TOO_MANY_MODELS,

@@ -92,7 +92,7 @@ def with_keys(spec: LLMGatewaySpec, entry: dict[str, Any]) -> dict[str, Any]:
     which keys open a model is the gateway's decision, never a member's)."""
     out = {k: v for k, v in entry.items() if k != AUTH_KEY_FILES}
     files = key_files_for(spec, str(entry["name"]))
-    if files:
+    if files:  # none only without apiKeys: a model no key opens is not routed (llmgateway.gather)
         out[AUTH_KEY_FILES] = files
     return out
 

@@ -203,6 +203,18 @@ def test_api_keys_are_mounted_one_directory_each_and_scoped_per_model() -> None:
         {"name": f"api-key-{i}", "mountPath": f"/var/run/noctaya/api-keys/{i}", "readOnly": True} for i in range(3)]
 
 
+def test_with_api_keys_a_model_no_key_opens_is_not_routed_and_said_so() -> None:
+    keys = [{"secretRef": {"name": "team-a"}, "models": ["qwen"]}]
+    out = sync(llmgateway_obj(apiKeys=keys), [member("qwen"), member("llama")])
+    assert [e["name"] for e in table(out)] == ["qwen"]  # fail closed: llama would be open to anyone
+    assert [m["name"] for m in out["status"]["models"]] == ["qwen"]
+    cond = conditions(out)["MembersAccepted"]
+    assert (cond["status"], cond["reason"]) == ("False", "NoKeyOpens") and "llama (llama)" in cond["message"]
+    # A key without models opens it again.
+    opened = sync(llmgateway_obj(apiKeys=[*keys, {"secretRef": {"name": "admin"}}]), [member("qwen"), member("llama")])
+    assert [e["name"] for e in table(opened)] == ["llama", "qwen"]
+
+
 def test_without_api_keys_no_model_asks_for_one() -> None:
     out = sync(llmgateway_obj(), [member("qwen")])
     assert "authKeyFiles" not in table(out)[0]
@@ -307,18 +319,15 @@ def test_several_replicas_report_to_an_aggregator_like_a_models_own_gateways() -
 
 
 def test_the_table_parses_with_the_gateways_own_parser() -> None:
-    keys = [{"secretRef": {"name": "k"}, "models": ["qwen"]}]
+    keys = [{"secretRef": {"name": "k"}, "models": ["qwen"]}, {"secretRef": {"name": "all"}}]
     out = sync(llmgateway_obj(apiKeys=keys), [member("qwen", coldRequestMode="reject"), member("llama")])
     entries = table(out)
     for entry in entries:
         assert set(entry) <= {"name", shared.AUTH_KEY_FILES, *MODEL_FIELDS}
-    # authKeyFiles is parsed by the gateway once the API-key-scoping change lands there; until then the
-    # parser refuses unknown keys, so it is dropped here (the rest must parse exactly as rendered).
-    if shared.AUTH_KEY_FILES not in MODEL_FIELDS:
-        entries = [{k: v for k, v in e.items() if k != shared.AUTH_KEY_FILES} for e in entries]
     parsed = parse_model_table(json.dumps({"models": entries}).encode(), load_config(environ=_pod_environ(out)))
     assert list(parsed.models) == ["llama", "qwen"]
     assert parsed.models["qwen"].cold_mode == "reject"
+    assert parsed.models["qwen"].auth_key_files == ("/var/run/noctaya/api-keys/0/api-key", "/var/run/noctaya/api-keys/1/api-key")
     assert parsed.models["qwen"].backend_url == "http://qwen-backend.models.svc.cluster.local:8000"
     assert parsed.models["llama"].model_table_file == "/etc/noctaya/models/models.json"
     # Compact, deterministic JSON.
