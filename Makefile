@@ -52,8 +52,8 @@ crds: $(STAMP)
 chart: $(STAMP)
 	$(PY) tools/chart/generate.py
 
-# Every benchmark, then the warm path's and the idle footprint's targets side by side (about 8 min;
-# make bench BENCH_ARGS=--quick: about 3 min, idle windows of 15 s instead of a minute).
+# Every benchmark, then the warm path's and the idle footprint's targets side by side (about 6 min;
+# make bench BENCH_ARGS=--quick: about 2 min, idle windows of 15 s instead of a minute).
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
 

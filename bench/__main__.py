@@ -2,8 +2,8 @@
 idle footprint's side by side; exit 1 when any benchmark misses a target.
 
 ``--quick`` passes ``--quick`` to the benchmarks that have it (the gateway's warm path: shorter
-rounds; the idle footprint: 15 s windows instead of a minute). Full run: about 8 minutes on 2 CPUs
-(hooks ~45 s, scaler ~25 s, warm path ~3.5 min, idle footprint ~2.5 min); ``--quick`` about 3.
+rounds; the idle footprint: 15 s windows instead of a minute). Full run: about 6 minutes on 2 CPUs
+(hooks ~12 s, scaler ~11 s, warm path ~3.4 min, idle footprint ~2.2 min); ``--quick`` about 2.
 """
 
 import argparse

@@ -305,9 +305,11 @@ def tree(pid: int) -> list[int]:
     return found
 
 
-def role(pid: int, root: int) -> str:
+def role(pid: int, root: int, alone: bool) -> str:
     if pid == root:
-        return "supervisor" if pid_cmd(pid).endswith("-m gateway") else "python -c sleep"
+        if not pid_cmd(pid).endswith("-m gateway"):
+            return "python -c sleep"
+        return "gateway" if alone else "supervisor"
     return "scaler child" if " scaler " in f" {pid_cmd(pid)} " else "worker"
 
 
@@ -393,7 +395,8 @@ class Window:
 
     def run(self) -> Window:
         for label, root in self.roots.items():
-            self.processes[label] = [ProcessResult(pid, role(pid, root)) for pid in tree(root)]
+            pids = tree(root)
+            self.processes[label] = [ProcessResult(pid, role(pid, root, len(pids) == 1)) for pid in pids]
         for results in self.processes.values():
             for r in results:
                 r.start = cpu_sample(r.pid)
