@@ -515,6 +515,8 @@ def targets(labels: list[str], windows: dict[str, dict[str, dict[str, float]]], 
         for label in labels:
             quiet, deployed = windows["quiet"][label], windows["as deployed"][label]
             rate = deployed.get("requests", 0.0)
+            if not rate:
+                continue
             print(f"  {label}: as deployed it answered {rate:.2f} requests/s (KEDA RPCs + probes), "
                   f"{ratio(deployed['cpu'] - quiet['cpu'], rate):.3f} ms of CPU each above quiet, "
                   f"{ratio(deployed['wakeups'] - quiet['wakeups'], rate):.2f} wake-ups each")
@@ -547,7 +549,7 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f} at start; {seconds:.0f} s windows"
           f"{' (--quick)' if args.quick else ''} after {SETTLE_SECONDS:.0f} s to settle; CPU = scheduler run time "
           f"(ticks = utime + stime, {1000 // TICK} ms resolution)")
-    configurations = {PER_MODEL: (ROOT, 0), **{f"{PER_MODEL}@{t.name}": (t.resolve(), 0) for t in args.tree},
+    configurations = {PER_MODEL: (ROOT, 0), **{f"{PER_MODEL}@{t.resolve().name}": (t.resolve(), 0) for t in args.tree},
                       **{shared_label(n): (ROOT, n) for n in counts}}
     baseline = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1e9)"])
     # What one wake-up costs on this host: some VMs charge a thread far more CPU per wake than it runs
