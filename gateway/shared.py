@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from urllib.parse import unquote
@@ -28,6 +29,7 @@ import gevent
 from gateway import metrics as metrics_module
 from gateway.auth import bearer_token
 from gateway.config import GatewayConfig
+from gateway.filewatch import DirectoryWatch, watch_directory
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
 from gateway.modeltable import ModelTable, ModelTableFile, TableChange
@@ -46,13 +48,17 @@ from gateway.state.pod import PodState
 from gateway.timing import produces_tokens
 from gateway.wire import RequestHead
 
-__all__ = ["SharedGatewayApp", "RELOAD_SECONDS"]
+__all__ = ["SharedGatewayApp", "RELOAD_SECONDS", "WATCHED_RELOAD_SECONDS"]
 
 log = logging.getLogger("noctaya.gateway")
 
-# How often the mounted table is checked (one stat). The kubelet itself takes up to a minute to
-# update a ConfigMap volume, so a few seconds more cost nothing and keep an idle Pod's wake-ups low.
+# How often the mounted table is checked (one stat) where its directory cannot be watched (and how
+# soon retired models are looked at while they finish). The kubelet itself takes up to a minute to
+# update a ConfigMap volume, so a few seconds more cost nothing.
 RELOAD_SECONDS = 5.0
+# With an inotify watch on the table's directory a change wakes the gateway at once; the check then
+# runs only this often besides, as a bound on what a missed event (a replaced directory) could cost.
+WATCHED_RELOAD_SECONDS = 60.0
 
 
 def _model_object(name: str) -> dict:
@@ -186,17 +192,32 @@ class SharedGatewayApp(AnswersHere):
             self._start(app)
         if self.table_file is None:
             return
-        while True:
+        watch = watch_directory(os.path.dirname(os.path.abspath(self.table_file.path)))
+        try:
+            while True:
+                self._wait_for_table(watch)
+                self._reload()
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _wait_for_table(self, watch: DirectoryWatch | None) -> None:
+        if watch is None:
             gevent.sleep(self.reload_seconds)
-            table = self.table_file.poll()
-            if table is not None:
-                change = self.apply(table)
-                log.info("model table reloaded", extra={"added": list(change.added), "removed": list(change.removed),
-                                                        "changed": list(change.changed)})
-            elif self.table_file.error is not None and self.table_file.error != self._reported:
-                log.error("model table refused; the last good one stays", extra={"error": self.table_file.error})
-            self._reported = self.table_file.error
-            self.reap()
+        else:  # retired models are looked at again soon: they close once their requests are done
+            watch.wait(self.reload_seconds if self._retiring else max(self.reload_seconds, WATCHED_RELOAD_SECONDS))
+
+    def _reload(self) -> None:
+        assert self.table_file is not None
+        table = self.table_file.poll()
+        if table is not None:
+            change = self.apply(table)
+            log.info("model table reloaded", extra={"added": list(change.added), "removed": list(change.removed),
+                                                    "changed": list(change.changed)})
+        elif self.table_file.error is not None and self.table_file.error != self._reported:
+            log.error("model table refused; the last good one stays", extra={"error": self.table_file.error})
+        self._reported = self.table_file.error
+        self.reap()
 
     def close(self) -> None:
         for app in [*self.apps.values(), *self._retiring]:

@@ -633,3 +633,43 @@ def test_a_shared_gateways_scaler_serves_mutual_tls_per_model(backends, tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_kubelet_swap_of_the_table_is_seen_at_once_not_at_the_next_poll(backends, tmp_path) -> None:
+    """The table's directory is watched (inotify): with a reload period of a minute, a ConfigMap
+    update as the kubelet writes it is served within a second or two; nothing polls in between."""
+    from gateway.filewatch import watch_directory
+    from gateway.modeltable import ModelTableFile
+
+    probe = watch_directory(str(tmp_path))
+    if probe is None:
+        pytest.skip("inotify is not available here")
+    probe.close()
+
+    def swap(*models: dict) -> None:
+        fresh = tmp_path / f"..{time.time_ns()}"
+        fresh.mkdir()
+        (fresh / "models.json").write_text(json.dumps({"models": list(models)}))
+        (tmp_path / "..data_tmp").symlink_to(fresh.name)
+        (tmp_path / "..data_tmp").replace(tmp_path / "..data")
+        if not (tmp_path / "models.json").is_symlink():
+            (tmp_path / "models.json").symlink_to("..data/models.json")
+
+    a = {"name": "a", "backendURL": backends["a"].url}
+    swap(a)
+    base = GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, scaler_mode="off", max_held_body_bytes=64 * 2**20)
+    table_file = ModelTableFile(tmp_path / "models.json", base)
+    table = table_file.poll()
+    assert table is not None
+    gw = ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table, table_file=table_file,
+                                                                    reload_seconds=60.0)).start()
+    try:
+        time.sleep(0.3)  # the watch is set up by the app's background greenlet
+        swap(a, {"name": "b", "backendURL": backends["b"].url})
+        t0 = time.monotonic()
+        while [m["id"] for m in requests.get(f"{gw.url}/v1/models", timeout=5).json()["data"]] != ["a", "b"]:
+            assert time.monotonic() - t0 < 3, "the swap was not seen: only the 60 s poll would find it"
+            time.sleep(0.05)
+    finally:
+        gw.stop()
