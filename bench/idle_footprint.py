@@ -8,10 +8,10 @@ env the hooks render for ``examples/models/scale-to-zero.yaml`` (only addresses 
 container's resources as its cgroup (``NOCTAYA_CGROUP_ROOT`` points at files saying: no CPU limit,
 the rendered memory limit), so it picks one worker and the held-body budget a Pod gets.
 
-A shared gateway is the same process with ``NOCTAYA_MODEL_TABLE_FILE``: its Pod env is the per-model
-one without the per-model variables (``gateway.modeltable.MODEL_FIELDS`` and the served name), and
-each of its N models is a table entry carrying what those variables said, with its own closed backend
-port. (Built here from the per-model rendering: the hooks for an LLMGateway are not written yet.)
+A shared gateway runs as the hooks render an LLMGateway fronting N copies of that example (each
+naming the gateway in ``spec.endpoint.gateway``): its Deployment's env and resources, and the routing
+table of its ConfigMap, written to a file (``NOCTAYA_MODEL_TABLE_FILE``), each entry's backend on its
+own closed port.
 
 Every configuration runs side by side in the same windows (a burst of load elsewhere hits all alike;
 PSS is lower than alone since the processes share library pages). After each answers ``/healthz``
@@ -141,20 +141,37 @@ def closed_backend() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nothing listens there: the backend is scaled to zero
 
 
-def shared_table(pod_env: dict[str, str], models: list[str]) -> dict[str, Any]:
-    """Turn a per-model Pod env into a shared one, in place, and return the model table for ``models``.
+def rendered_shared(models: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared gateway container, model table) the hooks render for an LLMGateway fronting ``models``:
+    each a copy of the scale-to-zero example naming the gateway, each table entry with its own closed
+    backend port."""
+    import copy
 
-    The hooks for an LLMGateway are being written elsewhere, so the shared Pod is built here from the
-    per-model rendering: every per-model variable (``MODEL_FIELDS``, and the served name) leaves the
-    Pod env and goes, with the value rendered for the example model, into each model's entry, each
-    with its own closed backend port. What stays is the Pod's: ports, bounds, scaler mode, metric name.
-    """
-    from gateway.config import env_name
-    from gateway.modeltable import MODEL_FIELDS
+    import yaml
 
-    settings = {key: pod_env.pop(env_name(field)) for key, field in MODEL_FIELDS.items() if env_name(field) in pod_env}
-    pod_env.pop(env_name("served_model_name"), None)
-    return {"models": [{"name": name, **settings, "backendURL": closed_backend()} for name in models]}
+    from hooks.render import render_documents
+
+    documents = [d for d in yaml.safe_load_all(RUNTIME_EXAMPLE.read_text()) if d]
+    (example,) = [d for d in yaml.safe_load_all(MODEL_EXAMPLE.read_text()) if d]
+    for name in models:
+        member = copy.deepcopy(example)
+        member["metadata"]["name"] = name
+        member["spec"]["model"]["servedName"] = name
+        member["spec"]["endpoint"] = {**member["spec"].get("endpoint", {}), "gateway": "bench"}
+        documents.append(member)
+    documents.append({"apiVersion": "serving.noctaya.io/v1alpha1", "kind": "LLMGateway",
+                      "metadata": {"name": "bench"}, "spec": {}})
+    container = table = None
+    for child in render_documents(documents):
+        if child["kind"] == "Deployment" and child["metadata"]["name"] == "bench-llmgw":
+            (container,) = child["spec"]["template"]["spec"]["containers"]
+        elif child["kind"] == "ConfigMap":
+            table = json.loads(child["data"]["models.json"])
+    if container is None or table is None:
+        raise SystemExit("the hooks rendered no shared gateway Deployment or routing table")
+    for entry in table["models"]:
+        entry["backendURL"] = closed_backend()
+    return container, table
 
 
 class GatewayPod:
@@ -165,6 +182,8 @@ class GatewayPod:
         self.label = label
         self.models = [f"model-{i:03d}" for i in range(1, models + 1)]
         self.port, self.admin_port, self.scaler_port = free_port(), free_port(), free_port()
+        if self.models:  # the shared gateway's own rendered container (resources, env) and its table
+            container, shared_table = rendered_shared(self.models)
         self._scratch = tempfile.TemporaryDirectory(prefix="noctaya-idle-")
         cgroup = Path(self._scratch.name, "cgroup")
         cgroup.mkdir()
@@ -174,7 +193,7 @@ class GatewayPod:
         pod_env = rendered_env(container)
         if self.models:
             table = Path(self._scratch.name, "models.json")
-            table.write_text(json.dumps(shared_table(pod_env, self.models)))
+            table.write_text(json.dumps(shared_table))
             pod_env["NOCTAYA_MODEL_TABLE_FILE"] = str(table)
         else:
             pod_env["NOCTAYA_BACKEND_URL"] = closed_backend()
