@@ -34,6 +34,7 @@ import socket as std_socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import gevent
 
@@ -43,7 +44,7 @@ from gateway.drain import Drainer
 from gateway.logs import configure_logging
 from gateway.routes import GatewayApp
 from gateway.server import GatewayServer, ServedApp, listen_socket, reseed_request_ids
-from gateway.state.models import ModelDemand
+from gateway.state.models import ModelDemand, ModelsSampler
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
 from scaler.secretfiles import exit_if_a_secret_is_missing
@@ -269,21 +270,7 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
     (``in_process``); a supervisor runs it as a child process, on a core of its own."""
     if config.scaler_mode == "local":
         if in_process:
-            from scaler.externalscaler import ScalerSettings
-            from scaler.h2server import start_h2_scaler_server
-            from scaler.tls import TLSFiles
-
-            tls = None
-            if config.scaler_tls_cert_file:  # load_config has checked the three files come together
-                assert config.scaler_tls_key_file and config.scaler_tls_ca_file
-                tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
-            # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that
-            # long only bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
-            settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
-                                      wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
-            server = start_h2_scaler_server(broadcaster, config.scaler_port, host=config.listen_host,
-                                            settings=settings, tls=tls, on_activated=pod.mark_pushed)
-            return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+            return _start_h2_scaler(config, broadcaster, on_activated=pod.mark_pushed)
         from gateway.scaler_process import ScalerProcess
 
         scaler = ScalerProcess(config, broadcaster, pod.mark_pushed).start()
@@ -299,7 +286,27 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
     return []
 
 
-def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler) -> None:
+def _start_h2_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, **kwargs: Any) -> list[Callable[[], None]]:
+    """The ExternalScaler on this process's own loop (``kwargs``: what the per-model or the shared
+    gateway adds, see ``start_h2_scaler_server``); returns its shutdown step."""
+    from scaler.externalscaler import ScalerSettings
+    from scaler.h2server import start_h2_scaler_server
+    from scaler.tls import TLSFiles
+
+    tls = None
+    if config.scaler_tls_cert_file:  # load_config has checked the three files come together
+        assert config.scaler_tls_key_file and config.scaler_tls_ca_file
+        tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
+    # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that long only
+    # bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
+    settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
+                              wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
+    server = start_h2_scaler_server(broadcaster, config.scaler_port, host=config.listen_host,
+                                    settings=settings, tls=tls, **kwargs)
+    return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+
+
+def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler | ModelsSampler) -> None:
     """After the last worker drained: withdraw the Pod's demand, stop the scaler, stop sampling."""
     sampler.withdraw()
     for step in steps:
@@ -352,7 +359,6 @@ def run_shared(config: GatewayConfig) -> int:
     which answers per model."""
     from gateway.modeltable import ModelTableFile
     from gateway.shared import SharedGatewayApp
-    from gateway.state.models import ModelDemand, ModelsSampler
 
     assert config.model_table_file
     table_file = ModelTableFile(config.model_table_file, config)
@@ -375,31 +381,13 @@ def run_shared(config: GatewayConfig) -> int:
         return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda: SharedGatewayApp(
             config, table, table_file=table_file, demand=demand))
     finally:
-        sampler.withdraw()
-        for step in steps:
-            try:
-                step()
-            except Exception:  # one failing step must not keep the process alive
-                log.exception("shutdown step failed")
-        sampler.stop()
+        _shut_down(steps, sampler)
 
 
 def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand) -> list[Callable[[], None]]:
     """The scaler side of a shared gateway (see run_shared); returns its shutdown steps."""
     if config.scaler_mode == "local":
-        from scaler.externalscaler import ScalerSettings
-        from scaler.h2server import start_h2_scaler_server
-        from scaler.tls import TLSFiles
-
-        tls = None
-        if config.scaler_tls_cert_file:  # load_config has checked the three files come together
-            assert config.scaler_tls_key_file and config.scaler_tls_ca_file
-            tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
-        settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
-                                  wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
-        server = start_h2_scaler_server(DemandBroadcaster(), config.scaler_port, host=config.listen_host,
-                                        settings=settings, tls=tls, models=demand.broadcaster)
-        return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster)
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
 

@@ -9,9 +9,9 @@ related (its members are those of its namespace that name it). Documents of othe
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from hooks.api.llmgateway import LLMGateway
 from hooks.api.llmservice import LLMService
@@ -22,6 +22,7 @@ from hooks.controller import autoscaling, llmgateway, sync
 from hooks.controller import observe as obs
 from hooks.errors import describe_validation_error
 
+M = TypeVar("M", bound=BaseModel)
 _UID_NAMESPACE = uuid.UUID("6f1c9a52-2d3e-4c7b-9a1f-0e5d4c3b2a19")
 
 
@@ -37,6 +38,13 @@ def _where(doc: dict[str, Any], index: int, sources: list[str] | None) -> str:
     if sources is not None and index < len(sources):
         label = f"{sources[index]}: {label}"
     return label
+
+
+def _validated(model: type[M], doc: dict[str, Any], index: int, sources: list[str] | None) -> M:
+    try:
+        return model.model_validate({k: v for k, v in doc.items() if k != "status"})
+    except ValidationError as exc:
+        raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
 
 
 def _with_identity(doc: dict[str, Any], namespaced: bool) -> dict[str, Any]:
@@ -67,36 +75,30 @@ def render_documents(
             raise RenderError(f"document {index + 1} is not a Kubernetes object")
         kind = doc.get("kind")
         if kind == "InferenceRuntime":
-            try:
-                parsed = InferenceRuntime.model_validate({k: v for k, v in doc.items() if k != "status"})
-            except ValidationError as exc:
-                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            parsed = _validated(InferenceRuntime, doc, index, sources)
             if parsed.metadata.name in runtimes:
                 raise RenderError(f"{_where(doc, index, sources)} is given twice")
             runtimes[parsed.metadata.name] = _with_identity(doc, namespaced=False)
         elif kind == "LLMService":
-            try:
-                LLMService.model_validate({k: v for k, v in doc.items() if k != "status"})
-            except ValidationError as exc:
-                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            _validated(LLMService, doc, index, sources)
             services.append((index, _with_identity(doc, namespaced=True)))
         elif kind == "LLMGateway":
-            try:
-                LLMGateway.model_validate({k: v for k, v in doc.items() if k != "status"})
-            except ValidationError as exc:
-                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            _validated(LLMGateway, doc, index, sources)
             gateways.append((index, _with_identity(doc, namespaced=True)))
 
     crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": obs.KEDA_CRD_NAME}}
     related_runtimes = {name: runtimes[name] for name in sorted(runtimes)}
     rendered: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str]] = set()
-    for index, service in services:
-        meta = service["metadata"]
-        key = ("LLMService", meta["namespace"], meta["name"])
+
+    def once(index: int, doc: dict[str, Any]) -> None:
+        key = (doc["kind"], doc["metadata"]["namespace"], doc["metadata"]["name"])
         if key in seen:
-            raise RenderError(f"{_where(service, index, sources)} is given twice")
+            raise RenderError(f"{_where(doc, index, sources)} is given twice")
         seen.add(key)
+
+    for index, service in services:
+        once(index, service)
         request = {
             "controller": {"metadata": {"name": "noctaya-llmservice"}},
             "parent": service,
@@ -128,11 +130,8 @@ def render_documents(
         )
         rendered.extend(decorated["attachments"])
     for index, gateway in gateways:
+        once(index, gateway)
         meta = gateway["metadata"]
-        key = ("LLMGateway", meta["namespace"], meta["name"])
-        if key in seen:
-            raise RenderError(f"{_where(gateway, index, sources)} is given twice")
-        seen.add(key)
         members = {f"{s['metadata']['namespace']}/{s['metadata']['name']}": s for _, s in services
                    if s["metadata"]["namespace"] == meta["namespace"]}
         answer = llmgateway.sync({

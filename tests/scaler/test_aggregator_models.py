@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-from pathlib import Path
 
 import grpc
 import pytest
@@ -28,16 +27,8 @@ from scaler.externalscaler import MODEL_METADATA_KEY
 from scaler.reporter import DemandReporter
 from scaler.service import start_scaler_server
 
+from .conftest import REPORT_TOKEN as TOKEN
 from .conftest import wait_until
-
-TOKEN = "models-token-0123456789"
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    return path
 
 
 def ref(model: str | None) -> pb.ScaledObjectRef:

@@ -14,16 +14,8 @@ from scaler.aggregator import MAX_REPORT_MODELS, Aggregator, AggregatorSettings
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.reporter import DemandReporter
 
+from .conftest import REPORT_TOKEN as TOKEN
 from .conftest import wait_until
-
-TOKEN = "reporter-token-0123456789"
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    return path
 
 
 @pytest.fixture
