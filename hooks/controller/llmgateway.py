@@ -166,6 +166,8 @@ def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_stat
         problem: tuple[GatewayReason, str] | None = None
         if service is None:
             problem = (GatewayReason.INVALID_MEMBER, f"LLMService {name} is invalid: {error}")
+        elif service.spec.cache.strategy == "BakedImage":  # its own sync renders no backend for it
+            problem = (GatewayReason.INVALID_MEMBER, f"LLMService {name}: cache.strategy BakedImage is not implemented")
         else:
             resolution = resolve_runtime(service, observed)
             if resolution.runtime is None:

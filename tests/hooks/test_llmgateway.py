@@ -425,3 +425,12 @@ def test_the_hook_server_answers_llmgateway_hooks(hook: str) -> None:
     assert response.data == serialize_body(getattr(llmgateway, hook)(body, h.config()))
     bad = app.test_client().post(f"/v1/llmgateway/{hook}", json={"parent": {"metadata": {}}})
     assert bad.status_code == 400
+
+
+def test_a_member_with_the_reserved_baked_image_strategy_is_not_routed_since_it_has_no_backend() -> None:
+    baked = member("phi")
+    baked["spec"]["cache"] = {"strategy": "BakedImage"}
+    out = sync(llmgateway_obj(), [member("qwen"), baked])
+    assert [e["name"] for e in table(out)] == ["qwen"]
+    cond = conditions(out)["MembersAccepted"]
+    assert cond["reason"] == "InvalidMember" and "BakedImage is not implemented" in cond["message"]
