@@ -43,7 +43,7 @@ demo-prewarm: $(STAMP)
 	$(PY) -m demo.prewarm
 
 render: $(STAMP)
-	$(PY) -m hooks render examples/runtimes examples/models
+	$(PY) -m hooks render examples/runtimes examples/models examples/gateways
 
 crds: $(STAMP)
 	$(PY) -m hooks.crdgen --out crds --api-reference docs/api.md
@@ -52,8 +52,10 @@ crds: $(STAMP)
 chart: $(STAMP)
 	$(PY) tools/chart/generate.py
 
+# Every benchmark, then the warm path's and the idle footprint's targets side by side (about 6 min;
+# make bench BENCH_ARGS=--quick: about 2 min, idle windows of 15 s instead of a minute).
 bench: $(STAMP)
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH_ARGS)
 
 # A day of a 12-model platform on 4 GPUs, with and without an AcceleratorPool, on the e2e harness's
 # cluster (about 20 min; docs/benchmarks.md). Builds the e2e dependencies first, as `make e2e` does.

@@ -1,48 +1,88 @@
-"""Client API-key check: ``Authorization: Bearer <key>`` against a mounted Secret key file.
+"""Client API-key check: ``Authorization: Bearer <key>`` against one or more mounted Secret key files.
 
-The file is reread on every check so a rotated Secret (kubelet swaps the projected file) takes
-effect on the next request without a restart. The comparison is constant-time over bytes. Neither
-the presented nor the expected key is ever logged or put into an error message.
+A per-model gateway has one key file; a shared gateway's model may list several (``authKeyFiles`` in
+the model table), so that keys handed to different teams each open the model. Every file is reread
+on every check so a rotated Secret (kubelet swaps the projected file) takes effect on the next
+request without a restart. The comparison is constant-time over bytes and runs against every file,
+whichever matches, so the time taken does not tell which key (or whether an earlier one) matched.
+Neither the presented nor an expected key is ever logged or put into an error message.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Sequence
 
 from scaler.secretfiles import MAX_SECRET_FILE_BYTES, read_secret_file
 
-__all__ = ["KeyFileAuthenticator", "MAX_KEY_FILE_BYTES"]
+__all__ = ["KeyFileAuthenticator", "MAX_KEY_FILE_BYTES", "MAX_KEY_FILES", "bearer_token"]
 
 log = logging.getLogger("noctaya.gateway.auth")
 
 MAX_KEY_FILE_BYTES = MAX_SECRET_FILE_BYTES
+MAX_KEY_FILES = 16  # files read per check: bounds the cost one request can cause
+
+
+def bearer_token(authorization_header: bytes | str | None) -> bytes | None:
+    """The token of a ``Bearer`` header (surrounding whitespace stripped), or None."""
+    if not authorization_header:
+        return None
+    if isinstance(authorization_header, str):
+        authorization_header = authorization_header.encode("latin-1", errors="replace")
+    scheme, _, presented = authorization_header.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return presented.strip()
 
 
 class KeyFileAuthenticator:
-    def __init__(self, key_file: str) -> None:
-        self.key_file = key_file
-        self._warned = False
+    """Lets a request in when its bearer key equals the key in any of ``key_files`` (1..16 paths).
+    A file that is missing, empty or oversized opens nothing (fail closed); the others still do."""
 
-    def _expected_key(self) -> bytes | None:
-        key = read_secret_file(self.key_file)
-        if key is None:
-            if not self._warned:
-                log.warning("auth key file missing, empty or larger than %d bytes; rejecting all requests",
-                            MAX_KEY_FILE_BYTES)
-                self._warned = True
-            return None
-        self._warned = False
-        return key
+    def __init__(self, key_files: str | Sequence[str]) -> None:
+        files = (key_files,) if isinstance(key_files, str) else tuple(key_files)
+        if not 1 <= len(files) <= MAX_KEY_FILES:
+            raise ValueError(f"an authenticator reads 1 to {MAX_KEY_FILES} key files")
+        self.key_files = files
+        self._warned: set[str] = set()
+
+    def _expected_keys(self, read: dict[str, bytes | None] | None = None) -> list[bytes]:
+        keys = []
+        for path in self.key_files:
+            if read is None:
+                key = read_secret_file(path)
+            elif path in read:
+                key = read[path]
+            else:
+                key = read[path] = read_secret_file(path)
+            if key is None:
+                if path not in self._warned:  # once per file until it is readable again: the path only
+                    log.warning("auth key file missing, empty or larger than %d bytes; it opens nothing",
+                                MAX_KEY_FILE_BYTES, extra={"key_file": path})
+                    self._warned.add(path)
+                continue
+            self._warned.discard(path)
+            keys.append(key)
+        return keys
 
     def check(self, authorization_header: bytes | str | None) -> bool:
-        """True when the header carries the current key. Fails closed on any file problem."""
-        expected = self._expected_key()
-        if expected is None or not authorization_header:
+        """True when the header carries a current key. Fails closed on any file problem."""
+        expected = self._expected_keys()
+        presented = bearer_token(authorization_header)
+        if not expected or presented is None:
             return False
-        if isinstance(authorization_header, str):
-            authorization_header = authorization_header.encode("latin-1", errors="replace")
-        scheme, _, presented = authorization_header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return False
-        return hmac.compare_digest(presented.strip(), expected)
+        return self.matches(presented, expected)
+
+    def opens(self, presented: bytes, read: dict[str, bytes | None]) -> bool:
+        """Whether the bearer token ``presented`` matches a key of these files; ``read`` holds the
+        files already read for the same request (several models may share a key file: one read
+        each per request)."""
+        expected = self._expected_keys(read)
+        return bool(expected) and self.matches(presented, expected)
+
+    @staticmethod
+    def matches(presented: bytes, expected: Sequence[bytes]) -> bool:
+        # Every key compared, always (no short circuit): the time does not say which one matched.
+        results = [hmac.compare_digest(presented, key) for key in expected]
+        return any(results)

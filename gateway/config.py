@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GatewayConfig", "ConfigError", "load_config", "build_parser"]
+__all__ = ["GatewayConfig", "ConfigError", "load_config", "build_parser", "parse_field"]
 
 
 class ConfigError(ValueError):
@@ -39,6 +39,9 @@ class GatewayConfig:
     drain_grace_seconds: float = 30.0
     max_body_bytes: int = 8 * 1024 * 1024
     auth_key_file: str | None = None
+    # A shared gateway's model with several keys (``authKeyFiles`` in the model table, not an env
+    # variable): any of them opens the model. Set, it replaces auth_key_file.
+    auth_key_files: tuple[str, ...] = ()
     scaler_mode: str = "local"
     scaler_port: int = 9090
     scaling_target: int = 10
@@ -66,6 +69,9 @@ class GatewayConfig:
     max_held_body_bytes: int = 256 * 1024 * 1024
     log_level: str = "info"
     gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
+    # A shared gateway: the models come from this file (gateway.modeltable), and backend_url /
+    # served_model_name are not used.
+    model_table_file: str | None = None
 
     @property
     def connections_per_address(self) -> int:
@@ -73,6 +79,13 @@ class GatewayConfig:
         if self.max_connections_per_address is None:
             return max(1, self.max_connections // 2)
         return self.max_connections_per_address
+
+    @property
+    def key_files(self) -> tuple[str, ...]:
+        """The API key files a request may match (none: no key needed)."""
+        if self.auth_key_files:
+            return self.auth_key_files
+        return (self.auth_key_file,) if self.auth_key_file else ()
 
     @property
     def backend_host(self) -> str:
@@ -212,6 +225,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_held_body_bytes": _pos_int,
     "log_level": _choice("debug", "info", "warning", "error"),
     "gateway_workers": _pos_int,
+    "model_table_file": _text,
 }
 
 _HELP = {
@@ -229,6 +243,11 @@ _HELP = {
                                    "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
 }
+
+
+def parse_field(field: str, raw: str) -> Any:
+    """One setting from its text, by the rules of its environment variable (ValueError if bad)."""
+    return _PARSERS[field](raw)
 
 
 def env_name(field: str) -> str:
@@ -274,6 +293,9 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
             values[field] = parse(raw)
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
+    if "model_table_file" in values:  # a shared gateway: each model names its own
+        values.setdefault("backend_url", "http://model-table.invalid")
+        values.setdefault("served_model_name", "(model table)")
     for required in ("backend_url", "served_model_name"):
         if required not in values:
             raise ConfigError(f"{env_name(required)} (or {flag_name(required)}) is required")

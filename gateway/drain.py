@@ -55,28 +55,26 @@ class Drainer:
             return
         self.started = True
         app = self.server.app
-        app.draining = True
-        app.metrics.set_draining(True)
-        log.info("draining", extra={"grace_seconds": self.grace, "admitted": app.activation.slots.total})
+        app.start_draining()
+        log.info("draining", extra={"grace_seconds": self.grace, "admitted": app.admitted})
         gevent.spawn(self._run)
 
     def _run(self) -> None:
         app = self.server.app
-        slots = app.activation.slots
         deadline = self.clock() + self.grace
         try:
-            while slots.total > 0 and self.clock() < deadline:
+            while app.admitted > 0 and self.clock() < deadline:
                 gevent.sleep(self.poll)
-            self.unfinished = slots.total
+            self.unfinished = app.admitted
             if self.unfinished:
                 log.warning("drain grace over with requests unfinished", extra={"unfinished": self.unfinished})
                 # Cold waiters get a bounded error rather than a cut connection; give them a moment
                 # to write it before the server stops.
-                app.activation.abort_waiters()
+                app.abort_waiters()
                 abort_deadline = self.clock() + ABORT_WRITE_SECONDS
-                while slots.queued > 0 and self.clock() < abort_deadline:
+                while app.waiting > 0 and self.clock() < abort_deadline:
                     gevent.sleep(self.poll)
-            app.activation.withdraw()
+            app.withdraw()
             for step in self.after_withdraw:
                 try:
                     step()

@@ -77,7 +77,81 @@ class RequestBody:
         self.reservation.release()
 
 
-class GatewayApp:
+def answer_error(conn: ClientConnection, metrics: GatewayMetrics, name: str,
+                 extra: list[tuple[bytes, bytes]] | None = None, *, close: bool = False) -> bool:
+    """Answer an OpenAI-style error; returns whether the connection may continue."""
+    error: GatewayError = ERRORS[name]
+    if name in REJECTION_REASONS:
+        metrics.reject(name)
+    headers = list(extra or [])
+    if name in NO_RETRY:
+        headers.append((b"x-should-retry", b"false"))
+    # A request whose body was not read cannot be followed on the same connection.
+    close = close or not conn.message_done
+    metrics.count_response(error.status)
+    conn.respond(error.status, error_body(error), extra=headers, close=close)
+    return not close
+
+
+def answer_body_failure(conn: ClientConnection, metrics: GatewayMetrics, exc: Exception,
+                        retry_429: list[tuple[bytes, bytes]]) -> bool:
+    """A body that could not be received: nothing was admitted; the connection closes (the rest
+    of the upload is unread)."""
+    conn.message_done = False
+    if isinstance(exc, RequestTimedOut):
+        return answer_error(conn, metrics, "request_timeout", close=True)
+    if isinstance(exc, HeldBytesExhausted):
+        return answer_error(conn, metrics, "queue_bytes_full", retry_429, close=True)
+    name = "too_large" if isinstance(exc, RequestBodyTooLarge) else "bad_request"
+    return answer_error(conn, metrics, name, close=True)
+
+
+class AnswersHere:
+    """Answers the gateway writes itself (errors, health, plain 200s), for one model's app and for a
+    shared gateway's: both have ``metrics`` and ``draining``."""
+
+    metrics: GatewayMetrics
+    draining: bool
+
+    def _error(self, conn: ClientConnection, name: str, extra: list[tuple[bytes, bytes]] | None = None,
+               *, close: bool = False) -> bool:
+        return answer_error(conn, self.metrics, name, extra, close=close)
+
+    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None:
+        """Malformed or late HTTP from the client: a JSON 400/408/414/431, then the connection closes."""
+        if isinstance(exc, RequestTimedOut):
+            name = "request_timeout"
+        else:
+            name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
+        conn.message_done = True
+        try:
+            self._error(conn, name, close=True)
+        except ClientGone:
+            pass
+
+    def _ok(self, conn: ClientConnection, body: bytes, content_type: bytes = b"application/json") -> bool:
+        self.metrics.count_response(200)
+        conn.respond(200, body, content_type=content_type, close=not conn.message_done)
+        return conn.message_done
+
+    def _health(self, conn: ClientConnection, head: RequestHead) -> bool:
+        if self.draining:
+            self.metrics.count_response(503)
+            conn.respond(503, b'{"status":"draining"}')
+            return True
+        return self._ok(conn, b'{"status":"ok"}')
+
+    def connection_refused(self) -> None:
+        """Count a connection refused before it was read (too many connections)."""
+        self.metrics.count_response(429)
+        self.metrics.reject("too_many_connections")
+
+    def start_draining(self) -> None:
+        self.draining = True
+        self.metrics.set_draining(True)
+
+
+class GatewayApp(AnswersHere):
     """One worker's handler. Construct inside the hub thread that will serve it."""
 
     def __init__(self, config: GatewayConfig, *, pod: PodState | None = None, worker: int = 0,
@@ -97,7 +171,7 @@ class GatewayApp:
             activation_timeout=config.activation_timeout_seconds, ready_grace=config.ready_grace_seconds,
             metrics=self.metrics, probe=self._probe, probe_interval=config.probe_interval_seconds, clock=clock,
         )
-        self.auth = KeyFileAuthenticator(config.auth_key_file) if config.auth_key_file else None
+        self.auth = KeyFileAuthenticator(config.key_files) if config.key_files else None
         self.draining = False
         self._base = config.backend_base_path.encode("latin-1")
         self._host = config.backend_netloc.encode("latin-1")
@@ -108,45 +182,36 @@ class GatewayApp:
         self._routes = {"health": self._health, "metrics": self._metrics, "queue": self._queue,
                         "models": self._models, "forward": self._forward_request}
 
+    # -- lifecycle, as GatewayServer and Drainer use it (a shared gateway's app has the same) -------
+    def background(self) -> list[Callable[[], None]]:
+        """What runs beside the connections, each in a greenlet of its own."""
+        return [self.activation.prober.run]
+
+    def close(self) -> None:
+        self.activation.prober.stop()
+        self.pool.close()
+
+    @property
+    def admitted(self) -> int:
+        """Requests admitted and not finished (waiting or in flight)."""
+        return self.activation.slots.total
+
+    @property
+    def waiting(self) -> int:
+        return self.activation.slots.queued
+
+    def abort_waiters(self) -> None:
+        self.activation.abort_waiters()
+
+    def withdraw(self) -> None:
+        self.activation.withdraw()
+
     def _model_object(self) -> dict:
         return {"id": self._model, "object": "model", "created": 0, "owned_by": "noctaya"}
 
     def _probe(self) -> ProbeResult:
         return probe_readiness(self.pool, self.config.backend_base_path + self.config.readiness_path,
                                self.config.backend_netloc, self.config.probe_timeout_seconds)
-
-    # -- answers generated here ------------------------------------------------------------------
-    def _error(self, conn: ClientConnection, name: str, extra: list[tuple[bytes, bytes]] | None = None,
-               *, close: bool = False) -> bool:
-        """Answer an OpenAI-style error; returns whether the connection may continue."""
-        error: GatewayError = ERRORS[name]
-        if name in REJECTION_REASONS:
-            self.metrics.reject(name)
-        headers = list(extra or [])
-        if name in NO_RETRY:
-            headers.append((b"x-should-retry", b"false"))
-        # A request whose body was not read cannot be followed on the same connection.
-        close = close or not conn.message_done
-        self.metrics.count_response(error.status)
-        conn.respond(error.status, error_body(error), extra=headers, close=close)
-        return not close
-
-    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None:
-        """Malformed or late HTTP from the client: a JSON 400/408/414/431, then the connection closes."""
-        if isinstance(exc, RequestTimedOut):
-            name = "request_timeout"
-        else:
-            name = {414: "uri_too_long", 431: "headers_too_large"}.get(exc.status, "bad_request")
-        conn.message_done = True
-        try:
-            self._error(conn, name, close=True)
-        except ClientGone:
-            pass
-
-    def _ok(self, conn: ClientConnection, body: bytes, content_type: bytes = b"application/json") -> bool:
-        self.metrics.count_response(200)
-        conn.respond(200, body, content_type=content_type, close=not conn.message_done)
-        return conn.message_done
 
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
@@ -161,13 +226,6 @@ class GatewayApp:
             return self._routes[decision.kind](conn, head)
         except ClientGone:
             return False
-
-    def _health(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.draining:
-            self.metrics.count_response(503)
-            conn.respond(503, b'{"status":"draining"}')
-            return True
-        return self._ok(conn, b'{"status":"ok"}')
 
     def _metrics(self, conn: ClientConnection, head: RequestHead) -> bool:
         return self._ok(conn, self.metrics.render(), metrics_module.CONTENT_TYPE_LATEST.encode())
@@ -236,24 +294,18 @@ class GatewayApp:
             if head.has_body:
                 conn.continue_100(head)
                 data = conn.read_body(self.config.max_body_bytes, reservation)
-            body = RequestBody(data, reservation)
-            if self.activation.ready:
-                return self._warm(conn, head, body)
-            return self._cold(conn, head, body, None)
+            return self.dispatch(conn, head, RequestBody(data, reservation))
         except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted) as exc:
-            return self._body_failed(conn, exc)
+            return answer_body_failure(conn, self.metrics, exc, self._retry_429)
         finally:
             reservation.release()
 
-    def _body_failed(self, conn: ClientConnection, exc: Exception) -> bool:
-        """A body that could not be received: nothing was admitted; the connection closes (the rest
-        of the upload is unread)."""
-        conn.message_done = False
-        if isinstance(exc, RequestTimedOut):
-            return self._error(conn, "request_timeout", close=True)
-        if isinstance(exc, HeldBytesExhausted):
-            return self._error(conn, "queue_bytes_full", self._retry_429, close=True)
-        return self._error(conn, "too_large" if isinstance(exc, RequestBodyTooLarge) else "bad_request", close=True)
+    def dispatch(self, conn: ClientConnection, head: RequestHead, body: RequestBody) -> bool:
+        """A request whose body is complete (``conn.timing`` started): forwarded at once while the
+        backend is ready, else admitted cold. A shared gateway calls this once it knows the model."""
+        if self.activation.ready:
+            return self._warm(conn, head, body)
+        return self._cold(conn, head, body, None)
 
     def _upstream_head(self, conn: ClientConnection, head: RequestHead, body_length: int) -> bytes:
         """Request line and headers for the backend: hop-by-hop headers and those ``Connection``

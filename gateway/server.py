@@ -19,7 +19,7 @@ import select
 import socket as std_socket
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import gevent
 import gevent.event
@@ -34,10 +34,31 @@ from gateway.timing import RequestTiming
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
 if TYPE_CHECKING:
-    from gateway.routes import GatewayApp
+    from gateway.config import GatewayConfig
+
+
+class ServedApp(Protocol):
+    """What the connection layer and the drain need of an app: one model's ``GatewayApp``, or a shared
+    gateway's ``SharedGatewayApp``."""
+
+    config: GatewayConfig
+    draining: bool
+
+    def handle(self, conn: ClientConnection, head: RequestHead) -> bool: ...
+    def bad_request(self, conn: ClientConnection, exc: BadRequest | RequestTimedOut) -> None: ...
+    def background(self) -> list[Callable[[], None]]: ...
+    def close(self) -> None: ...
+    def connection_refused(self) -> None: ...
+    def start_draining(self) -> None: ...
+    @property
+    def admitted(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    def abort_waiters(self) -> None: ...
+    def withdraw(self) -> None: ...
 
 __all__ = ["ClientConnection", "ClientGone", "ClientBodyError", "RequestBodyTooLarge", "RequestTimedOut",
-           "HeldBytesExhausted", "GatewayServer", "serve_connection", "listen_socket"]
+           "HeldBytesExhausted", "GatewayServer", "ServedApp", "serve_connection", "listen_socket"]
 
 log = logging.getLogger("noctaya.gateway")
 
@@ -366,7 +387,7 @@ class HeldBytesExhausted(Exception):
     """The Pod-wide budget for bodies held by waiting requests is spent (-> 429)."""
 
 
-def serve_connection(app: GatewayApp, conn: ClientConnection) -> None:
+def serve_connection(app: ServedApp, conn: ClientConnection) -> None:
     """Requests of one connection, in order, until it closes or must close."""
     while True:
         try:
@@ -401,7 +422,7 @@ class GatewayServer:
     """The app on a gevent StreamServer, plus the prober and watchdog greenlets. Build and run in
     one hub thread."""
 
-    def __init__(self, app: GatewayApp, listener: std_socket.socket, *, max_connections: int,
+    def __init__(self, app: ServedApp, listener: std_socket.socket, *, max_connections: int,
                  clock: Callable[[], float] = time.monotonic, admin_listener: std_socket.socket | None = None) -> None:
         self.app = app
         self.clock = clock
@@ -433,10 +454,9 @@ class GatewayServer:
         self.server.start()
         if self.admin_server is not None:
             self.admin_server.start()
-        self._greenlets = [gevent.spawn(self.app.activation.prober.run), gevent.spawn(self._watchdog)]
+        self._greenlets = [*(gevent.spawn(task) for task in self.app.background()), gevent.spawn(self._watchdog)]
 
     def stop(self, timeout: float = 1.0) -> None:
-        self.app.activation.prober.stop()
         self.server.close()
         if self.admin_server is not None:
             self.admin_server.close()
@@ -446,7 +466,7 @@ class GatewayServer:
         for conn in list(self.connections):
             conn.expire()
         gevent.killall(self._greenlets, block=False)
-        self.app.pool.close()
+        self.app.close()
 
     def _handle_admin(self, sock: gevent.socket.socket, address: Any) -> None:
         self._handle(sock, address, admin=True)
@@ -498,9 +518,7 @@ class GatewayServer:
 
     def _refuse(self, sock: gevent.socket.socket) -> None:
         """429 and close, without reading: a fresh socket's send buffer takes the answer at once."""
-        metrics = self.app.metrics
-        metrics.count_response(429)
-        metrics.reject("too_many_connections")
+        self.app.connection_refused()
         error = ERRORS["too_many_connections"]
         body = error_body(error)
         try:

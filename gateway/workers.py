@@ -34,6 +34,7 @@ import socket as std_socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import gevent
 
@@ -42,7 +43,8 @@ from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.drain import Drainer
 from gateway.logs import configure_logging
 from gateway.routes import GatewayApp
-from gateway.server import GatewayServer, listen_socket, reseed_request_ids
+from gateway.server import GatewayServer, ServedApp, listen_socket, reseed_request_ids
+from gateway.state.models import ModelDemand, ModelsSampler
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
 from scaler.secretfiles import exit_if_a_secret_is_missing
@@ -80,13 +82,14 @@ def raise_file_limit() -> int:
 Listeners = tuple[std_socket.socket, std_socket.socket]  # (public, admin) of one worker
 
 
-def run_worker(config: GatewayConfig, pod: PodState, index: int, listeners: Listeners, *, forked: bool = True) -> int:
+def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listeners: Listeners, *, forked: bool = True,
+               app_factory: Callable[[], ServedApp] | None = None) -> int:
     """Body of a worker (forked, or the one-worker Pod's only process): serve until SIGTERM has
-    drained it."""
+    drained it. ``app_factory``: another app than one model's (a shared gateway's)."""
     if forked:
         gevent.reinit()
         reseed_request_ids()  # forked workers must not hand out the same ids
-    app = GatewayApp(config, pod=pod, worker=index)
+    app = app_factory() if app_factory is not None else GatewayApp(config, pod=pod, worker=index)
     public, admin = listeners
     server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
     server.start()
@@ -267,21 +270,7 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
     (``in_process``); a supervisor runs it as a child process, on a core of its own."""
     if config.scaler_mode == "local":
         if in_process:
-            from scaler.externalscaler import ScalerSettings
-            from scaler.h2server import start_h2_scaler_server
-            from scaler.tls import TLSFiles
-
-            tls = None
-            if config.scaler_tls_cert_file:  # load_config has checked the three files come together
-                assert config.scaler_tls_key_file and config.scaler_tls_ca_file
-                tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
-            # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that
-            # long only bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
-            settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
-                                      wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
-            server = start_h2_scaler_server(broadcaster, config.scaler_port, host=config.listen_host,
-                                            settings=settings, tls=tls, on_activated=pod.mark_pushed)
-            return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+            return _start_h2_scaler(config, broadcaster, on_activated=pod.mark_pushed)
         from gateway.scaler_process import ScalerProcess
 
         scaler = ScalerProcess(config, broadcaster, pod.mark_pushed).start()
@@ -297,7 +286,27 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
     return []
 
 
-def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler) -> None:
+def _start_h2_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, **kwargs: Any) -> list[Callable[[], None]]:
+    """The ExternalScaler on this process's own loop (``kwargs``: what the per-model or the shared
+    gateway adds, see ``start_h2_scaler_server``); returns its shutdown step."""
+    from scaler.externalscaler import ScalerSettings
+    from scaler.h2server import start_h2_scaler_server
+    from scaler.tls import TLSFiles
+
+    tls = None
+    if config.scaler_tls_cert_file:  # load_config has checked the three files come together
+        assert config.scaler_tls_key_file and config.scaler_tls_ca_file
+        tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
+    # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that long only
+    # bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
+    settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
+                              wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
+    server = start_h2_scaler_server(broadcaster, config.scaler_port, host=config.listen_host,
+                                    settings=settings, tls=tls, **kwargs)
+    return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+
+
+def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler | ModelsSampler) -> None:
     """After the last worker drained: withdraw the Pod's demand, stop the scaler, stop sampling."""
     sampler.withdraw()
     for step in steps:
@@ -309,16 +318,23 @@ def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler) -> None:
     log.info("drained")
 
 
+def _own_listeners(config: GatewayConfig) -> Listeners | None:
+    """The public and admin listeners of a one-process Pod (None, logged, when a port is taken). Not
+    SO_REUSEPORT: a second gateway process on the same port must fail, not share it."""
+    try:
+        return (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
+                listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
+    except OSError as exc:
+        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+        return None
+
+
 def run_single(config: GatewayConfig) -> int:
     """The one-worker Pod: this process serves, samples its demand and answers KEDA (see above)."""
     pod = PodState(1, config.max_queue, config.max_held_body_bytes)
     broadcaster = DemandBroadcaster()
-    try:
-        # Not SO_REUSEPORT: a second gateway process on the same port must fail, not share it.
-        listeners = (listen_socket(config.listen_host, config.listen_port, reuse_port=False),
-                     listen_socket(config.listen_host, config.admin_port, reuse_port=False, backlog=64))
-    except OSError as exc:
-        log.error("cannot listen", extra={"port": config.listen_port, "error": str(exc)})
+    listeners = _own_listeners(config)
+    if listeners is None:
         return 1
     try:
         steps = _start_scaler(config, broadcaster, pod, in_process=True)
@@ -335,6 +351,55 @@ def run_single(config: GatewayConfig) -> int:
         _shut_down(steps, sampler)
 
 
+def run_shared(config: GatewayConfig) -> int:
+    """A shared gateway: one process serving every model of the table file, one sampler thread for
+    all of them, and the scaler side per model: ``local``, the ExternalScaler on this loop answering
+    each ScaledObject from its trigger's ``model`` (with the scaler TLS files, over mutual TLS as a
+    per-model gateway's); ``report`` (several replicas), every model's demand sent to the aggregator,
+    which answers per model."""
+    from gateway.modeltable import ModelTableFile
+    from gateway.shared import SharedGatewayApp
+
+    assert config.model_table_file
+    table_file = ModelTableFile(config.model_table_file, config)
+    table = table_file.poll()
+    if table is None:
+        log.error("model table refused", extra={"error": table_file.error})
+        return 2
+    demand = ModelDemand()
+    listeners = _own_listeners(config)
+    if listeners is None:
+        return 1
+    try:
+        steps = _start_shared_scaler(config, demand)
+    except Exception as exc:
+        log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
+        return 1
+    sampler = ModelsSampler(demand).start()
+    log.info("shared gateway listening", extra={"port": listeners[0].getsockname()[1], "models": len(table.models)})
+    try:
+        return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda: SharedGatewayApp(
+            config, table, table_file=table_file, demand=demand))
+    finally:
+        _shut_down(steps, sampler)
+
+
+def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand) -> list[Callable[[], None]]:
+    """The scaler side of a shared gateway (see run_shared); returns its shutdown steps."""
+    if config.scaler_mode == "local":
+        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster)
+    if config.scaler_mode == "report":
+        from scaler.reporter import DemandReporter
+
+        assert config.aggregator_url and config.aggregator_token_file
+        reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, demand.changes,
+                                  previous_token_file=config.aggregator_previous_token_file,
+                                  ca_file=config.aggregator_ca_file, models=demand.demands,
+                                  on_model_pushed=demand.mark_pushed).start()
+        return [lambda: reporter.stop(withdraw=True)]
+    return []
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     exit_if_a_secret_is_missing("gateway")
     try:
@@ -347,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if files < 2 * config.max_connections + 64:
         log.warning("open-file limit below what max connections need",
                     extra={"limit": files, "max_connections": config.max_connections})
+    if config.model_table_file:
+        return run_shared(config)
     workers = config.gateway_workers or default_workers(cgroup_root())
     if workers == 1:
         return run_single(config)

@@ -77,6 +77,8 @@ HOOK_ROUTES: tuple[HookRoute, ...] = (
     ),
     HookRoute("/v1/acceleratorpool/customize", "acceleratorpool_customize", "hooks.controller.pool", "customize"),
     HookRoute("/v1/acceleratorpool/sync", "acceleratorpool_sync", "hooks.controller.pool", "sync"),
+    HookRoute("/v1/llmgateway/customize", "llmgateway_customize", "hooks.controller.llmgateway", "customize"),
+    HookRoute("/v1/llmgateway/sync", "llmgateway_sync", "hooks.controller.llmgateway", "sync"),
 )
 ROUTES_BY_PATH: dict[str, HookRoute] = {route.path: route for route in HOOK_ROUTES}
 

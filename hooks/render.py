@@ -1,25 +1,28 @@
-"""Offline rendering, like `helm template`: LLMService + InferenceRuntime YAML in, children out.
+"""Offline rendering, like `helm template`: LLMService, LLMGateway + InferenceRuntime YAML in, children out.
 
 Each LLMService gets the synthetic v2 requests Metacontroller would send on first sight (nothing
 observed yet, KEDA's CRD present, every given runtime related), through the very same `sync` and
-decorator `sync` the cluster uses. Documents of other kinds are ignored.
+decorator `sync` the cluster uses; each LLMGateway its sync with the given LLMServices and runtimes
+related (its members are those of its namespace that name it). Documents of other kinds are ignored.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from hooks.api.llmgateway import LLMGateway
 from hooks.api.llmservice import LLMService
 from hooks.api.runtime import InferenceRuntime
 from hooks.api.status import ConditionType
 from hooks.config import HookConfig, resolve
-from hooks.controller import autoscaling, sync
+from hooks.controller import autoscaling, llmgateway, sync
 from hooks.controller import observe as obs
 from hooks.errors import describe_validation_error
 
+M = TypeVar("M", bound=BaseModel)
 _UID_NAMESPACE = uuid.UUID("6f1c9a52-2d3e-4c7b-9a1f-0e5d4c3b2a19")
 
 
@@ -35,6 +38,13 @@ def _where(doc: dict[str, Any], index: int, sources: list[str] | None) -> str:
     if sources is not None and index < len(sources):
         label = f"{sources[index]}: {label}"
     return label
+
+
+def _validated(model: type[M], doc: dict[str, Any], index: int, sources: list[str] | None) -> M:
+    try:
+        return model.model_validate({k: v for k, v in doc.items() if k != "status"})
+    except ValidationError as exc:
+        raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
 
 
 def _with_identity(doc: dict[str, Any], namespaced: bool) -> dict[str, Any]:
@@ -59,35 +69,36 @@ def render_documents(
     cfg = resolve(config)
     runtimes: dict[str, dict[str, Any]] = {}
     services: list[tuple[int, dict[str, Any]]] = []
+    gateways: list[tuple[int, dict[str, Any]]] = []
     for index, doc in enumerate(documents):
         if not isinstance(doc, dict):
             raise RenderError(f"document {index + 1} is not a Kubernetes object")
         kind = doc.get("kind")
         if kind == "InferenceRuntime":
-            try:
-                parsed = InferenceRuntime.model_validate({k: v for k, v in doc.items() if k != "status"})
-            except ValidationError as exc:
-                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            parsed = _validated(InferenceRuntime, doc, index, sources)
             if parsed.metadata.name in runtimes:
                 raise RenderError(f"{_where(doc, index, sources)} is given twice")
             runtimes[parsed.metadata.name] = _with_identity(doc, namespaced=False)
         elif kind == "LLMService":
-            try:
-                LLMService.model_validate({k: v for k, v in doc.items() if k != "status"})
-            except ValidationError as exc:
-                raise RenderError(f"{_where(doc, index, sources)} is invalid: {describe_validation_error(exc)}") from exc
+            _validated(LLMService, doc, index, sources)
             services.append((index, _with_identity(doc, namespaced=True)))
+        elif kind == "LLMGateway":
+            _validated(LLMGateway, doc, index, sources)
+            gateways.append((index, _with_identity(doc, namespaced=True)))
 
     crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": obs.KEDA_CRD_NAME}}
     related_runtimes = {name: runtimes[name] for name in sorted(runtimes)}
     rendered: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str]] = set()
-    for index, service in services:
-        meta = service["metadata"]
-        key = ("LLMService", meta["namespace"], meta["name"])
+
+    def once(index: int, doc: dict[str, Any]) -> None:
+        key = (doc["kind"], doc["metadata"]["namespace"], doc["metadata"]["name"])
         if key in seen:
-            raise RenderError(f"{_where(service, index, sources)} is given twice")
+            raise RenderError(f"{_where(doc, index, sources)} is given twice")
         seen.add(key)
+
+    for index, service in services:
+        once(index, service)
         request = {
             "controller": {"metadata": {"name": "noctaya-llmservice"}},
             "parent": service,
@@ -118,4 +129,20 @@ def render_documents(
             cfg,
         )
         rendered.extend(decorated["attachments"])
+    for index, gateway in gateways:
+        once(index, gateway)
+        meta = gateway["metadata"]
+        members = {f"{s['metadata']['namespace']}/{s['metadata']['name']}": s for _, s in services
+                   if s["metadata"]["namespace"] == meta["namespace"]}
+        answer = llmgateway.sync({
+            "controller": {"metadata": {"name": "noctaya-llmgateway"}},
+            "parent": gateway,
+            "children": {},
+            "related": {obs.RUNTIME: related_runtimes, llmgateway.LLMSERVICE: members},
+            "finalizing": False,
+        }, cfg)
+        for cond in answer["status"]["conditions"]:
+            if cond["type"] == llmgateway.MEMBERS_ACCEPTED and cond["status"] != "True":
+                raise RenderError(f"{_where(gateway, index, sources)}: {cond['message']}")
+        rendered.extend(answer["children"])
     return rendered

@@ -12,6 +12,7 @@ import select
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["main", "build_parser"]
 
@@ -65,6 +66,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                      default=env.get("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", ""),
                      help="the previous epoch's token, also accepted during a rotation")
     agg.add_argument("--max-members", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBERS", 64))
+    agg.add_argument("--max-models", type=int, default=_env_int(env, "NOCTAYA_MAX_MODELS", 256),
+                     help="distinct models shared gateways may report at once (a model table holds at most 256)")
     agg.add_argument("--max-member-demand", type=int, default=_env_int(env, "NOCTAYA_MAX_MEMBER_DEMAND", 100))
     agg.add_argument("--member-ttl-seconds", type=float,
                      default=_env_float(env, "NOCTAYA_MEMBER_TTL_SECONDS", 10.0))
@@ -107,12 +110,12 @@ def _scaler_settings(args: argparse.Namespace) -> tuple[object, object]:
 
 
 def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object, tls: object,
-                on_activated: Callable[[float], None] | None = None) -> object | None:
+                on_activated: Callable[[float], None] | None = None, **models: Any) -> object | None:
     from scaler.service import start_scaler_server
 
     try:
         return start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=settings,
-                                   on_activated=on_activated)
+                                   on_activated=on_activated, **models)
     except (OSError, ValueError) as exc:  # port in use, unreadable TLS material
         print(f"scaler: cannot start the gRPC scaler: {exc}", file=sys.stderr)
         return None
@@ -170,7 +173,7 @@ def _aggregate(args: argparse.Namespace) -> int:
         settings = AggregatorSettings(
             token_file=args.aggregator_token_file, max_members=args.max_members,
             previous_token_file=args.aggregator_previous_token_file or None,
-            max_member_demand=args.max_member_demand, member_ttl=args.member_ttl_seconds,
+            max_member_demand=args.max_member_demand, max_models=args.max_models, member_ttl=args.member_ttl_seconds,
             max_concurrent_reports=args.max_concurrent_reports,
             max_members_per_address=args.max_members_per_address,
             max_connections_per_address=args.max_connections_per_address,
@@ -194,7 +197,10 @@ def _aggregate(args: argparse.Namespace) -> int:
 
     broadcaster = DemandBroadcaster()
     aggregator = Aggregator(settings, broadcaster)
-    scaler = _start_grpc(args, broadcaster, scaler_settings, tls)
+    # A trigger naming a model (a shared gateway's ScaledObject) gets that model's sum over the
+    # gateways; one without gets the sum of everything, as for a per-model gateway.
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, models=aggregator.model_source,
+                         model_required=False)
     if scaler is None:
         return 1
     aggregator.registry.register(scaler.collector())

@@ -1,9 +1,17 @@
 """Aggregate scaler: gateways of one LLMService report their demand here; the sum feeds the gRPC
 ExternalScaler (SPEC §7, report protocol in docs/architecture.md).
 
+The replicas of a shared gateway (one endpoint for the models of a model table) report each model's
+demand too (``models`` in the report); each model's ScaledObject names its model in the trigger
+metadata (``model``) and is answered from the sum of that model's demand over the replicas. The
+aggregator has no table: a model no replica reports is inactive with metric 0. A trigger without
+``model`` gets the sum of the reports' own counts, as before.
+
 Everything is bounded: concurrent connections, concurrent reports (429 beyond), body size (413),
-member count (429 for a new member beyond), per-member demand (clamped), tombstones of withdrawn
-members. State is memory only; after a restart the gateways' 2 s heartbeats rebuild it.
+member count (429 for a new member beyond), per-member demand (clamped, per model too), models per
+report (400 beyond ``MAX_REPORT_MODELS``), distinct models reported at once (429 beyond
+``max_models``), tombstones of withdrawn members. State is memory only; after a restart the
+gateways' 2 s heartbeats rebuild it.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from json.scanner import py_make_scanner  # type: ignore[attr-defined]
+from typing import Any, NoReturn
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -35,9 +44,12 @@ log = logging.getLogger("noctaya.scaler.aggregator")
 
 _MEMBER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _MAX_SEQ = 2**63 - 1
-# A report is one flat object of scalars (scaler/reporter.py): a nested value is refused before
-# json.loads could build it, so a token holder can't make the parser recurse or allocate per item.
-_MAX_REPORT_DEPTH = 1
+# A report is an object of scalars, and a shared gateway's ``models`` an object of such objects
+# (scaler/reporter.py): anything deeper is refused before json.loads could build it, so a token
+# holder can't make the parser recurse; what it allocates is bounded by the body size.
+_MAX_REPORT_DEPTH = 3
+MAX_REPORT_MODELS = 256  # = the model table's bound (gateway.modeltable.MAX_MODELS)
+MAX_MODEL_NAME = 256  # = the model table's bound on a served name
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +60,8 @@ class AggregatorSettings:
     max_member_demand: int = 100  # = the gateway's maxQueue, which counts waiting and in-flight
     member_ttl: float = 10.0
     max_concurrent_reports: int = 16
-    max_body_bytes: int = 64 * 1024
+    # A shared gateway's report names up to 256 models of up to 256 characters (1 KiB in UTF-8 each).
+    max_body_bytes: int = 320 * 1024
     max_connections: int = 256
     socket_timeout: float = 10.0  # idle keep-alive clients release their thread after this
     # Identity bound to the Pod: a member belongs to the address that first reported it, and one
@@ -58,12 +71,14 @@ class AggregatorSettings:
     # (headers and body; a byte every few seconds does not extend it).
     max_connections_per_address: int = 4
     request_deadline: float = 2.0
+    # Distinct models reported at once over all members (a shared gateway's table has at most 256).
+    max_models: int = 256
 
     def __post_init__(self) -> None:
         if not self.token_file:
             raise ValueError("the aggregator needs a token file (NOCTAYA_AGGREGATOR_TOKEN_FILE)")
         for name in ("max_members", "max_member_demand", "max_concurrent_reports", "max_body_bytes",
-                     "max_connections", "max_members_per_address", "max_connections_per_address"):
+                     "max_connections", "max_members_per_address", "max_connections_per_address", "max_models"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.member_ttl <= 0 or self.socket_timeout <= 0 or self.request_deadline <= 0:
@@ -82,6 +97,9 @@ class Report:
     in_flight: int
     lease_active: bool
     withdraw: bool
+    # A shared gateway's demand per model: (name, queued, in flight, lease active), each name once.
+    # None: a per-model gateway's report (no ``models`` key).
+    models: tuple[tuple[str, int, int, bool], ...] | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> Report:
@@ -105,7 +123,34 @@ class Report:
 
         if "seq" not in data:
             raise ReportError("seq is required")
-        return cls(member, count("seq"), count("queued"), count("inFlight"), flag("leaseActive"), flag("withdraw"))
+        return cls(member, count("seq"), count("queued"), count("inFlight"), flag("leaseActive"), flag("withdraw"),
+                   _models(data["models"]) if "models" in data else None)
+
+
+def _models(raw: Any) -> tuple[tuple[str, int, int, bool], ...]:
+    """``{"<model>": {"queued": n, "inFlight": n, "leaseActive": bool}, ...}`` (a model left out has
+    no demand)."""
+    if not isinstance(raw, dict):
+        raise ReportError("models must be an object of model name -> demand")
+    if len(raw) > MAX_REPORT_MODELS:
+        raise ReportError(f"models names {len(raw)} models; a report carries at most {MAX_REPORT_MODELS}")
+    models = []
+    for name, demand in raw.items():
+        if not name or len(name) > MAX_MODEL_NAME or not name.isprintable():
+            raise ReportError(f"a model name must be 1-{MAX_MODEL_NAME} printable characters")
+        if not isinstance(demand, dict):
+            raise ReportError("each model's demand must be an object")
+        counts = []
+        for key in ("queued", "inFlight"):
+            value = demand.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_SEQ:
+                raise ReportError(f"models: {key} must be a non-negative integer")
+            counts.append(value)
+        lease = demand.get("leaseActive", False)
+        if not isinstance(lease, bool):
+            raise ReportError("models: leaseActive must be a boolean")
+        models.append((name, counts[0], counts[1], lease))
+    return tuple(models)
 
 
 def parse_report(body: bytes) -> Report:
@@ -119,7 +164,31 @@ def parse_report(body: bytes) -> Report:
         if exc.kind == "not_object":
             raise ReportError("report must be a JSON object") from None
         raise ReportError(exc.reason) from None
-    return Report.from_json(json.loads(body))
+    data = _ReportDecoder().decode(body.decode("utf-8"))
+    if isinstance(data, dict):
+        # Only ``models`` may nest (the depth scan allowed it for that key): any other nested value
+        # is refused as before.
+        # (A model's demand is at depth 3, so the scan above already refused anything nested in it.)
+        for key, value in data.items():
+            if key != "models" and isinstance(value, dict):
+                raise ReportError("report must be a flat JSON object (no nested values)")
+    return Report.from_json(data)
+
+
+def _no_arrays(*_: object) -> NoReturn:
+    raise ReportError("report must be a flat JSON object (no nested values)")
+
+
+class _ReportDecoder(json.JSONDecoder):
+    """json.loads without arrays: a report has none, and refusing the first ``[`` as it is met (before
+    building it) keeps ``[[],[],...]`` at the depth ``models`` allows from costing ~50 bytes of list
+    per 3 bytes of body. The Python scanner is the one that calls ``parse_array`` (the C one does
+    not); a report is small, and its depth already checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parse_array = _no_arrays
+        self.scan_once = py_make_scanner(self)
 
 
 @dataclass(slots=True)
@@ -128,6 +197,7 @@ class _Member:
     demand: Demand
     seen_at: float
     owner: str | None  # the source address that first reported this member (None: not bound)
+    models: dict[str, Demand] | None = None  # a shared gateway's demand per model (clamped)
 
 
 class MemberTable:
@@ -177,9 +247,20 @@ class MemberTable:
             if owner is not None and sum(
                     1 for m in self._members.values() if m.owner == owner) >= self._settings.max_members_per_address:
                 return "full"
+        models = None
+        if report.models is not None:
+            models = {}
+            for name, model_queued, model_in_flight, lease in report.models:
+                clamped = self.clamp(model_queued, model_in_flight)
+                models[name] = Demand(clamped[0], clamped[1], lease)
+            others = {name for m, entry in self._members.items() if m != report.member and entry.models
+                      for name in entry.models}
+            if len(others | models.keys()) > self._settings.max_models:
+                return "models_full"
         self._tombstones.pop(report.member, None)
         queued, in_flight = self.clamp(report.queued, report.in_flight)
-        self._members[report.member] = _Member(report.seq, Demand(queued, in_flight, report.lease_active), now, owner)
+        self._members[report.member] = _Member(report.seq, Demand(queued, in_flight, report.lease_active), now, owner,
+                                               models)
         return "accepted"
 
     def expire(self, now: float | None = None) -> int:
@@ -198,6 +279,17 @@ class MemberTable:
         in_flight = sum(m.demand.in_flight for m in self._members.values())
         return Demand(queued, in_flight, any(m.demand.lease_active for m in self._members.values()))
 
+    def model_totals(self) -> dict[str, Demand]:
+        """Each reported model's demand summed over the members (at most ``max_models`` models)."""
+        totals: dict[str, Demand] = {}
+        for member in self._members.values():
+            for name, demand in (member.models or {}).items():
+                known = totals.get(name)
+                totals[name] = demand if known is None else Demand(
+                    known.queued + demand.queued, known.in_flight + demand.in_flight,
+                    known.lease_active or demand.lease_active)
+        return totals
+
 
 read_token_file = read_secret_file  # the report token: reread per report, so rotation needs no restart
 
@@ -211,6 +303,8 @@ class _Metrics:
         self.in_flight = Gauge("noctaya_aggregator_in_flight", "Sum of in-flight requests", registry=registry)
         self.lease = Gauge("noctaya_aggregator_lease_active", "1 when any gateway holds a lease",
                            registry=registry)
+        self.models = Gauge("noctaya_aggregator_models", "Models of shared gateways with demand reported",
+                            registry=registry)
         self.expired = Counter("noctaya_aggregator_members_expired", "Members dropped after the TTL",
                                registry=registry)
 
@@ -231,7 +325,15 @@ class Aggregator:
         self.registry = registry or CollectorRegistry()
         self._metrics = _Metrics(self.registry)
         self._table = MemberTable(settings, clock)
+        self._clock = clock
         self._lock = threading.Lock()
+        # Per model (shared gateways): the broadcaster its ScaledObject is answered from, and when it
+        # was last asked for. Reported models are at most max_models; the rest exist only while a
+        # trigger asks (a stream must wait on the object a later report publishes to), so the map
+        # holds at most 2 * max_models, and unreported, unwatched entries are dropped.
+        self._models: dict[str, DemandBroadcaster] = {}
+        self._asked: dict[str, float] = {}
+        self._reported: dict[str, Demand] = {}
         self._report_slots = threading.BoundedSemaphore(settings.max_concurrent_reports)
         self._stop = threading.Event()
         self._httpd: _BoundedHTTPServer | None = None
@@ -246,6 +348,54 @@ class Aggregator:
         self._metrics.in_flight.set(total.in_flight)
         self._metrics.lease.set(1 if total.lease_active else 0)
         self.broadcaster.publish(total)
+        reported = self._table.model_totals()
+        previous, self._reported = self._reported, reported
+        self._metrics.models.set(len(reported))
+        for name, demand in reported.items():
+            source = self._models.get(name)
+            if source is None:
+                # Always kept: reported models are at most max_models (MemberTable refuses more).
+                source = self._models[name] = DemandBroadcaster()
+                self._asked.setdefault(name, self._clock())
+            source.publish(demand)
+        for name in previous.keys() - reported.keys():  # no longer reported by anyone: no demand
+            source = self._models.get(name)
+            if source is not None:
+                source.publish(Demand())
+
+    def _prune_locked(self) -> None:
+        """With the map full: drop the broadcasters of models nobody reports, no stream waits on and
+        no trigger asked for within a TTL. Only then: a stream holds the object it was given, so an
+        entry dropped under it would never wake it again (a full map means callers beyond the
+        table's models, and they are the ones to lose)."""
+        if len(self._models) < 2 * self.settings.max_models:
+            return
+        limit = self._clock() - self.settings.member_ttl
+        for name in [n for n, source in self._models.items() if n not in self._reported
+                     and source.waiter_count == 0 and self._asked.get(n, 0.0) <= limit]:
+            del self._models[name]
+            self._asked.pop(name, None)
+
+    def model_source(self, name: str) -> DemandBroadcaster:
+        """The demand of ``model`` (the ExternalScaler's resolver for a trigger naming a model): a
+        model nobody has reported is idle (inactive, metric 0), never unknown, as the aggregator has
+        no table. Beyond the map's bound an unreported model gets an idle broadcaster that is not
+        kept (a stream on it stays ``false`` until KEDA reopens it)."""
+        with self._lock:
+            source = self._models.get(name)
+            if source is None:
+                self._prune_locked()
+                if len(self._models) >= 2 * self.settings.max_models:
+                    return DemandBroadcaster()
+                source = self._models[name] = DemandBroadcaster()
+            self._asked[name] = self._clock()
+            return source
+
+    @property
+    def model_count(self) -> int:
+        """Models held (reported, or asked for recently)."""
+        with self._lock:
+            return len(self._models)
 
     def apply(self, report: Report, owner: str | None = None) -> str:
         with self._lock:
@@ -550,6 +700,8 @@ class _ReportHandler(BaseHTTPRequestHandler):
             aggregator.end_report()
         if outcome == "full":
             self._error(429, "member limit reached", **{"Retry-After": "2"})
+        elif outcome == "models_full":
+            self._error(429, "model limit reached", **{"Retry-After": "2"})
         elif outcome == "foreign":
             self._error(403, "member belongs to another address")
         else:

@@ -161,12 +161,14 @@ class DemandBroadcaster:
         with self._lock:
             return self._activity_version
 
-    def publish(self, demand: Demand) -> bool:
-        """Set the current demand; wake the waiters it concerns. Returns True on a change."""
+    def publish(self, demand: Demand, *, force: bool = False) -> bool:
+        """Set the current demand; wake the waiters it concerns. Returns True on a change.
+        ``force``: a change even when equal (a sum over models stays the same while they move, and
+        a reporter of every model's demand must still send)."""
         if not isinstance(demand, Demand):
             raise TypeError("publish() takes a Demand")
         with self._lock:
-            if demand == self._demand:
+            if demand == self._demand and not force:
                 return False
             flipped = demand.active != self._demand.active
             self._demand = demand

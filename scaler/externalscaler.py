@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, Protocol
@@ -76,6 +77,8 @@ _METRIC_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 # older or future caller that does not is still answered.
 _KEDA_PREFIX_RE = re.compile(r"^s\d+-")
 TARGET_METADATA_KEY = "targetPerReplica"  # scaling.targetPerReplica, in the external-push trigger metadata
+# A shared gateway's trigger names the model its ScaledObject scales (served model name).
+MODEL_METADATA_KEY = "model"
 MAX_TARGET = 1_000_000
 
 
@@ -137,17 +140,26 @@ class ExternalScalerServicer:
         on_activated: Callable[[float], None] | None = None,
         *,
         sleep: Callable[[float], None] = time.sleep,
+        models: Callable[[str], DemandBroadcaster | None] | None = None,
+        model_required: bool = True,
     ) -> None:
+        # ``models``: a shared gateway's demand per model, looked up by the trigger metadata's
+        # ``model`` on every call (the table can change); ``source`` is then unused, unless
+        # ``model_required`` is False (the aggregate scaler, which also answers per-model gateways'
+        # triggers): a trigger without ``model`` is then answered from ``source``.
         # Called with the monotonic time each time a stream tells KEDA `true` after `false` or
         # nothing: the moment demand was pushed, which the gateway times activations by.
         self._on_activated = on_activated
         self._sleep = sleep  # gevent.sleep where the streams are greenlets
         self._source = source
+        self._models = models
+        self._model_required = model_required
         self._settings = settings
         self._stopping = False
         self._streams_lock = threading.Lock()
         self._open_streams = 0
-        self._last_good: Demand | None = None
+        self._streaming: dict[DemandBroadcaster, int] = {}  # sources with open streams (shutdown wakes them)
+        self._last_good: weakref.WeakKeyDictionary[DemandBroadcaster, Demand] = weakref.WeakKeyDictionary()
         self._source_errors = _RateLimitedLog()
         self._counters_lock = threading.Lock()
         self._source_error_count = 0
@@ -179,31 +191,47 @@ class ExternalScalerServicer:
         self._interrupt()
 
     def _interrupt(self) -> None:
-        interrupt = getattr(self._source, "interrupt_waiters", None)
-        if interrupt is not None:
-            try:
-                interrupt()
-            except Exception:  # a broken source must not break shutdown; wait_slice bounds it
-                pass
+        with self._streams_lock:
+            sources = list(self._streaming)
+        if self._models is None or not self._model_required:
+            sources.append(self._source)
+        for source in sources:
+            _interrupt(source)
+
+    def _source_of(self, ref: pb.ScaledObjectRef, context: RpcContext) -> DemandBroadcaster:
+        if self._models is None:
+            return self._source
+        name = ref.scalerMetadata.get(MODEL_METADATA_KEY, "")
+        if not name and not self._model_required:
+            return self._source
+        if not name:
+            context.abort(Status.INVALID_ARGUMENT,
+                          f"trigger metadata {MODEL_METADATA_KEY} is required: this gateway fronts several models")
+        source = self._models(name)
+        if source is None:
+            context.abort(Status.NOT_FOUND, f"this gateway fronts no model {name[:100]!r}")
+        return source
 
     # -- demand access that never raises ---------------------------------------------------------
 
-    def _demand_for_unary(self, context: RpcContext) -> Demand:
+    def _demand_for_unary(self, ref: pb.ScaledObjectRef, context: RpcContext) -> Demand:
+        source = self._source_of(ref, context)
         try:
-            demand = self._source.current()
+            demand = source.current()
         except Exception as exc:
             self._count(errors=1)
             self._source_errors.warning("demand source failed: %s", type(exc).__name__)
-            if self._last_good is None:
+            last = self._last_good.get(source)
+            if last is None:
                 context.abort(Status.UNAVAILABLE, "demand not known yet")
-            return self._last_good
-        self._last_good = demand
+            return last
+        self._last_good[source] = demand
         return demand
 
     # -- RPCs ------------------------------------------------------------------------------------
 
     def IsActive(self, request: pb.ScaledObjectRef, context: RpcContext) -> pb.IsActiveResponse:
-        return pb.IsActiveResponse(result=self._demand_for_unary(context).active)
+        return pb.IsActiveResponse(result=self._demand_for_unary(request, context).active)
 
     def GetMetricSpec(
         self, request: pb.ScaledObjectRef, context: RpcContext
@@ -231,7 +259,7 @@ class ExternalScalerServicer:
         ours = self._settings.metric_name
         if requested not in ("", ours) and _KEDA_PREFIX_RE.sub("", requested, count=1) != ours:
             context.abort(Status.NOT_FOUND, f"unknown metric {requested[:100]!r}; serving {ours!r}")
-        total = self._demand_for_unary(context).total
+        total = self._demand_for_unary(request.scaledObjectRef, context).total
         return pb.GetMetricsResponse(
             metricValues=[pb.MetricValue(metricName=requested or ours, metricValue=total,
                                          metricValueFloat=float(total))]
@@ -246,21 +274,26 @@ class ExternalScalerServicer:
     def StreamIsActive(
         self, request: pb.ScaledObjectRef, context: RpcContext
     ) -> Iterator[pb.IsActiveResponse]:
+        source = self._source_of(request, context)
         with self._streams_lock:
             admitted = not self._stopping and self._open_streams < self._settings.max_streams
             if admitted:
                 self._open_streams += 1
+                self._streaming[source] = self._streaming.get(source, 0) + 1
         if not admitted:
             context.abort(Status.RESOURCE_EXHAUSTED, "too many open StreamIsActive streams")
         try:
             # A client going away wakes us so its pool thread is freed now, not at the next push.
-            context.add_callback(self._interrupt)
-            yield from self._stream_active(context)
+            context.add_callback(lambda: _interrupt(source))
+            yield from self._stream_active(source, context)
         finally:
             with self._streams_lock:
                 self._open_streams -= 1
+                left = self._streaming.pop(source) - 1
+                if left:
+                    self._streaming[source] = left
 
-    def _stream_active(self, context: RpcContext) -> Iterator[pb.IsActiveResponse]:
+    def _stream_active(self, source: DemandBroadcaster, context: RpcContext) -> Iterator[pb.IsActiveResponse]:
         settings = self._settings
         # Only flips of the active flag (and the resend timer) wake a stream, not every count change.
         seen_version = -1  # no version is -1: the first wait returns the current state at once
@@ -274,7 +307,7 @@ class ExternalScalerServicer:
             else:
                 timeout = settings.wait_slice
             try:
-                seen_version, demand = self._source.wait_for_activity_change(seen_version, timeout)
+                seen_version, demand = source.wait_for_activity_change(seen_version, timeout)
             except Exception as exc:
                 # Transient by assumption: log, back off briefly, keep the stream open.
                 self._count(errors=1)
@@ -283,7 +316,7 @@ class ExternalScalerServicer:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.05
-            self._last_good = demand
+            self._last_good[source] = demand
             if self._stopping or not context.is_active():
                 break
             active = demand.active
@@ -295,11 +328,13 @@ class ExternalScalerServicer:
                 sent, sent_at = active, now
                 self._count(pushes=1)
                 yield pb.IsActiveResponse(result=active)
-                if flipped and self._on_activated is not None:
+                # A shared gateway's model broadcaster names its own observer.
+                on_activated = getattr(source, "on_activated", None) or self._on_activated
+                if flipped and on_activated is not None:
                     try:
                         # The time it was handed to gRPC: this generator resumes only when gRPC asks
                         # for the next message, which can be much later on a busy process.
-                        self._on_activated(now)
+                        on_activated(now)
                     except Exception:  # a broken observer must never end KEDA's stream
                         log.exception("on_activated failed")
 
@@ -307,6 +342,15 @@ class ExternalScalerServicer:
         deadline = time.monotonic() + seconds
         while not self._stopping and (left := deadline - time.monotonic()) > 0:
             self._sleep(min(left, 0.05))
+
+
+def _interrupt(source: DemandBroadcaster) -> None:
+    interrupt = getattr(source, "interrupt_waiters", None)
+    if interrupt is not None:
+        try:
+            interrupt()
+        except Exception:  # a broken source must not break shutdown; wait_slice bounds it
+            pass
 
 
 class ScalerCollector:

@@ -453,6 +453,7 @@ def start_h2_scaler_server(
     tls: TLSFiles | None = None,
     on_activated: Callable[[float], None] | None = None,
     max_connections: int = MAX_CONNECTIONS,
+    models: Callable[[str], DemandBroadcaster | None] | None = None,
 ) -> H2ScalerServer:
     """Serve the ExternalScaler on ``host:port`` from the calling thread's gevent hub (port 0 =
     ephemeral, see ``.port``). With ``tls`` the client must present a certificate signed by its CA
@@ -461,7 +462,7 @@ def start_h2_scaler_server(
     context = None
     if tls is not None:
         context = ReloadingServerContext(tls, client_auth=True, alpn=("h2",), context_class=gevent.ssl.SSLContext)
-    servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep)
+    servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep, models=models)
     try:
         server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections)
     except OSError as exc:

@@ -10,20 +10,26 @@ Secret's ``ca.crt``); the bearer token then never crosses the network in the cle
 
 Sends are rate-limited to one per ``min_gap`` seconds, except when the active flag flips: the
 first cold request must reach KEDA at once, a change of count can wait 50 ms.
+
+A shared gateway's reporter also sends each model's demand (``models``: the models with any demand;
+a model left out has none, so a report is still the member's complete state). Its broadcaster then
+carries the sum over the models and changes whenever any model's demand does; the per-model
+answers are the aggregator's (per ScaledObject trigger metadata ``model``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
-from scaler.aggregator import read_token_file
+from scaler.aggregator import MAX_REPORT_MODELS, read_token_file
 from scaler.demand import Demand, DemandBroadcaster
 
 __all__ = ["DemandReporter"]
@@ -58,6 +64,8 @@ class DemandReporter:
         previous_token_file: str | None = None,
         ca_file: str | None = None,
         on_pushed: Callable[[float], None] | None = None,
+        models: Callable[[], Mapping[str, Demand]] | None = None,
+        on_model_pushed: Callable[[str, float], None] | None = None,
     ) -> None:
         if ca_file and not url.lower().startswith("https://"):
             # A CA with a plaintext URL means the operator expected TLS: refuse rather than send the
@@ -67,6 +75,11 @@ class DemandReporter:
             raise ValueError("interval, timeout and retry_delay must be > 0, min_gap >= 0")
         self.url = url
         self._on_pushed = on_pushed  # called with the time an active demand was first accepted
+        # A shared gateway: each model's current demand, and who learns when a model's active
+        # demand was first accepted (its activations are timed from that).
+        self._models = models
+        self._on_model_pushed = on_model_pushed
+        self.last_models: dict[str, Demand] = {}
         self._log_url = _without_userinfo(url)
         self.token_file = token_file
         # During a token rotation the aggregator may still know only the previous token (the kubelet
@@ -107,17 +120,25 @@ class DemandReporter:
             self._log_failure("aggregator token file is missing, empty or oversized")
             return False
         self._seq += 1
-        body = {
+        body: dict[str, object] = {
             "member": self.member_id, "seq": self._seq, "queued": demand.queued,
             "inFlight": demand.in_flight, "leaseActive": demand.lease_active, "withdraw": withdraw,
         }
+        models = self._model_demands(withdraw)
+        if models is not None:
+            body["models"] = {name: {"queued": d.queued, "inFlight": d.in_flight, "leaseActive": d.lease_active}
+                              for name, d in models.items()}
+        # What requests' json= sends (the same bytes for a per-model gateway), but UTF-8 as it is: a
+        # model name of non-ASCII characters costs its bytes, not 6 per character.
+        data = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
         previous = read_token_file(self.previous_token_file) if self.previous_token_file else None
         tokens = [token] + ([previous] if previous is not None and previous != token else [])
         try:
             for attempt in tokens:
                 response = self._session.post(
-                    self.url, json=body, timeout=self.timeout,
-                    headers={"Authorization": "Bearer " + attempt.decode("utf-8", "replace")},
+                    self.url, data=data, timeout=self.timeout,
+                    headers={"Authorization": "Bearer " + attempt.decode("utf-8", "replace"),
+                             "Content-Type": "application/json"},
                 )
                 if response.status_code != 401:
                     break
@@ -129,7 +150,34 @@ class DemandReporter:
             self._log_failure(f"report refused: HTTP {response.status_code}")
             return False
         self.sent += 1
+        if models is not None:
+            self._models_accepted(models)
         return True
+
+    def _model_demands(self, withdraw: bool) -> dict[str, Demand] | None:
+        """The models with demand (at most MAX_REPORT_MODELS, the aggregator's bound: a table holds
+        no more, though models a reload removed may still finish requests for a while)."""
+        if self._models is None:
+            return None
+        if withdraw:
+            return {}
+        busy = {name: d for name, d in self._models().items() if d != Demand()}
+        if len(busy) > MAX_REPORT_MODELS:
+            self._log_failure(f"{len(busy)} models with demand; reporting the first {MAX_REPORT_MODELS}")
+            busy = dict(list(busy.items())[:MAX_REPORT_MODELS])
+        return busy
+
+    def _models_accepted(self, models: dict[str, Demand]) -> None:
+        now = time.monotonic()
+        if self._on_model_pushed is not None:
+            for name, demand in models.items():
+                previous = self.last_models.get(name)
+                if demand.active and not (previous is not None and previous.active):
+                    try:
+                        self._on_model_pushed(name, now)
+                    except Exception:  # an observer's bug must not stop the reports
+                        log.exception("on_model_pushed failed")
+        self.last_models = models
 
     def _log_failure(self, message: str) -> None:
         self.failures += 1

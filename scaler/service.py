@@ -183,6 +183,8 @@ def start_scaler_server(
     tls: TLSFiles | grpc.ServerCredentials | None = None,
     settings: ScalerSettings | None = None,
     on_activated: Callable[[float], None] | None = None,
+    models: Callable[[str], DemandBroadcaster | None] | None = None,
+    model_required: bool = True,
 ) -> ScalerServer:
     """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).
 
@@ -202,7 +204,8 @@ def start_scaler_server(
         stream_pool = None
         pool = futures.ThreadPoolExecutor(settings.max_streams + settings.unary_workers,
                                           thread_name_prefix="noctaya-scaler")
-    servicer = ExternalScalerServicer(broadcaster, settings, on_activated)
+    servicer = ExternalScalerServicer(broadcaster, settings, on_activated, models=models,
+                                      model_required=model_required)
     server = grpc.server(
         pool,
         maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers + settings.max_pending_rpcs,

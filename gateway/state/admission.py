@@ -74,7 +74,7 @@ class BodyReservation:
 
     __slots__ = ("_slots", "bytes")
 
-    def __init__(self, slots: AdmissionSlots) -> None:
+    def __init__(self, slots: HeldBytes) -> None:
         self._slots = slots
         self.bytes = 0
 
@@ -96,7 +96,43 @@ class BodyReservation:
             self.bytes = 0
 
 
-class AdmissionSlots:
+class HeldBytes:
+    """What a :class:`BodyReservation` takes bytes from: ``held_bytes`` counted here, and whatever
+    bound the subclass checks in :meth:`_take_bytes` (and gives back to in :meth:`_give_bytes`)."""
+
+    held_bytes: int
+
+    def reservation(self) -> BodyReservation:
+        return BodyReservation(self)
+
+    def _take_bytes(self, n: int) -> bool:
+        raise NotImplementedError
+
+    def _give_bytes(self, n: int) -> None:
+        if n > self.held_bytes:
+            raise RuntimeError("held bytes would go negative")
+        self.held_bytes -= n
+
+
+class HeldBytesBudget(HeldBytes):
+    """A Pod-wide held-body budget of its own, for a gateway that reads a body before it knows which
+    model's slots it will take (the shared gateway): every model's bodies count against one bound.
+    One event loop only (no lock)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+    def _take_bytes(self, n: int) -> bool:
+        if self.held_bytes + n > self.max_bytes:
+            return False
+        self.held_bytes += n
+        return True
+
+
+class AdmissionSlots(HeldBytes):
     """At most ``max_queue`` tickets exist at once in the Pod, queued or in flight; ``queued`` and
     ``in_flight`` count this worker's own.
 
@@ -142,9 +178,6 @@ class AdmissionSlots:
         self._move(queued=+1, in_flight=0)
         return Ticket(self, TicketState.QUEUED)
 
-    def reservation(self) -> BodyReservation:
-        return BodyReservation(self)
-
     def _take_bytes(self, n: int) -> bool:
         if not self.pod.try_take_bytes(n, self.worker):
             return False
@@ -152,9 +185,7 @@ class AdmissionSlots:
         return True
 
     def _give_bytes(self, n: int) -> None:
-        if n > self.held_bytes:
-            raise RuntimeError("held bytes would go negative")
-        self.held_bytes -= n
+        super()._give_bytes(n)
         self.pod.give_bytes(n, self.worker)
 
     def _move(self, *, queued: int, in_flight: int) -> None:

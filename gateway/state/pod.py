@@ -59,7 +59,9 @@ _ctx = multiprocessing.get_context("fork")
 
 
 class PodState:
-    def __init__(self, workers: int, max_queue: int, max_held_bytes: int | None) -> None:
+    def __init__(self, workers: int, max_queue: int, max_held_bytes: int | None, *, notify: Any = None) -> None:
+        # ``notify``: a semaphore of the caller's, when one sampler watches several Pod states (the
+        # models of a shared gateway).
         if workers < 1:
             raise ValueError("workers must be >= 1")
         if max_queue < 1:
@@ -69,7 +71,7 @@ class PodState:
         self.max_held_bytes = max_held_bytes
         self._slots = _ctx.Semaphore(max_queue)
         self._lock = _ctx.Lock()
-        self.notify = _ctx.Semaphore(0)
+        self.notify = notify if notify is not None else _ctx.Semaphore(0)
         # One extra row-sized area for Pod-wide scalars (_HELD_BYTES, ...).
         self._map = mmap.mmap(-1, (workers + 1) * ROW_CELLS * 8)
         self.cells = memoryview(self._map).cast("d")

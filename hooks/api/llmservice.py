@@ -421,21 +421,36 @@ class EndpointService(ApiModel):
     annotations: dict[str, str] = Field(default_factory=dict, description="Annotations of the public Service.")
 
 
+# Which endpoint fields a member of a shared gateway (endpoint.gateway) uses: the Pod-wide ones
+# belong to the LLMGateway, the admission ones stay with each model.
+_SHARED = "Not used with endpoint.gateway set (the LLMGateway's own setting applies)."
+_PER_MODEL = "Per model: with endpoint.gateway set it still applies to this model."
+
+
 class Endpoint(ApiModel):
     """The always-on OpenAI-compatible gateway in front of the backend."""
 
     replicas: int = Field(
-        default=1, ge=1, le=32, description="Gateway replicas; more than one adds an aggregate scaler and a PDB."
+        default=1,
+        ge=1,
+        le=32,
+        description="Gateway replicas; more than one adds an aggregate scaler and a PDB. With endpoint.gateway "
+        "set it must be 1 (the LLMGateway's replicas serve the model).",
     )
     max_queue: int = Field(
-        default=100, ge=1, le=10000, description="Per-gateway bound on waiting plus in-flight requests; beyond it, 429."
+        default=100,
+        ge=1,
+        le=10000,
+        description="Per-gateway bound on waiting plus in-flight requests; beyond it, 429. " + _PER_MODEL,
     )
     cold_request_mode: Literal["keepalive", "reject"] = Field(
         default="keepalive",
         description="keepalive holds cold requests (SSE heartbeats for streams) until the backend is Ready; "
-        "reject answers 503 with Retry-After while the backend still wakes.",
+        "reject answers 503 with Retry-After while the backend still wakes. " + _PER_MODEL,
     )
-    retry_after_seconds: int = Field(default=10, ge=1, le=3600, description="Retry-After of reject-mode 503s.")
+    retry_after_seconds: int = Field(
+        default=10, ge=1, le=3600, description="Retry-After of reject-mode 503s. " + _PER_MODEL
+    )
     max_connections_per_address: int | None = Field(
         default=None,
         ge=0,
@@ -443,7 +458,7 @@ class Endpoint(ApiModel):
         "beyond it a new connection gets 429 too_many_connections and is closed. Unset: half of the worker's "
         "connection pool (2048 of 4096), so one address cannot take them all; 0: no cap. Behind an ingress "
         "controller, a mesh sidecar or source NAT (e.g. a LoadBalancer Service with externalTrafficPolicy "
-        "Cluster) many or all clients reach the gateway from one address: raise it there, or set 0.",
+        "Cluster) many or all clients reach the gateway from one address: raise it there, or set 0. " + _SHARED,
     )
     request_timeout_seconds: int | None = Field(
         default=None,
@@ -451,13 +466,43 @@ class Endpoint(ApiModel):
         le=3600,
         description="Seconds a client has to send one whole request (head and body, from its first byte); "
         "beyond it the client gets 408 request_timeout and the connection is closed. Unset: 60 (an 8 MiB "
-        "body at 140 KB/s). Raise it for clients on slow links sending large bodies.",
+        "body at 140 KB/s). Raise it for clients on slow links sending large bodies. " + _SHARED,
     )
-    auth: EndpointAuth | None = Field(default=None, description="Optional client API-key authentication.")
+    auth: EndpointAuth | None = Field(
+        default=None,
+        description="Optional client API-key authentication. Refused with endpoint.gateway set (the LLMGateway "
+        "carries the API keys).",
+    )
+    gateway: DNSLabel | None = Field(
+        default=None,
+        description="Name of an LLMGateway in this namespace that fronts this model beside others (one base URL for "
+        "many models). Set: this LLMService renders no gateway, public Service, scaler Service, aggregate scaler, PDB "
+        "or scaler token of its own; its ScaledObject asks the LLMGateway's scaler for this model's demand (by its "
+        "served name), and status.endpoint is the LLMGateway's URL. replicas, resources, service, "
+        "maxConnectionsPerAddress and requestTimeoutSeconds are then the LLMGateway's and not used here; auth and "
+        "scalerTLS are refused and replicas must be 1. maxQueue, coldRequestMode, retryAfterSeconds and the scaling "
+        "timings stay per model. Unset: this LLMService gets its own gateway Deployment and Service (the default).",
+    )
     resources: ResourceRequirements | None = Field(
-        default=None, description="Gateway container resources (defaults: 50m CPU, 64Mi request; 512Mi limit)."
+        default=None,
+        description="Gateway container resources (defaults: 50m CPU, 64Mi request; 512Mi limit). " + _SHARED,
     )
-    service: EndpointService = Field(default_factory=EndpointService, description="Public Service type and annotations.")
+    service: EndpointService = Field(
+        default_factory=EndpointService, description="Public Service type and annotations. " + _SHARED
+    )
+
+    rules: ClassVar[tuple[Rule, ...]] = (
+        Rule(
+            cel="!has(self.gateway) || !has(self.auth)",
+            message="endpoint.auth is not allowed with endpoint.gateway: the LLMGateway carries the API keys",
+            check=lambda s: s.gateway is None or s.auth is None,
+        ),
+        Rule(
+            cel="!has(self.gateway) || !has(self.replicas) || self.replicas == 1",
+            message="endpoint.replicas must be 1 with endpoint.gateway: the LLMGateway's replicas serve this model",
+            check=lambda s: s.gateway is None or s.replicas == 1,
+        ),
+    )
 
 
 class ScalerTLS(ApiModel):
@@ -506,7 +551,7 @@ class LLMServiceSpec(ApiModel):
     )
     cache: Cache = Field(default_factory=Cache, description="Model cache and prewarm.")
     endpoint: Endpoint = Field(default_factory=Endpoint, description="The gateway: admission, cold mode, auth, Service.")
-    scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler, and TLS for gateway → aggregate scaler reports.")
+    scaler_tls: ScalerTLS | None = Field(default=None, alias="scalerTLS", description="Mutual TLS for KEDA ↔ scaler, and TLS for gateway → aggregate scaler reports. Not supported with endpoint.gateway set (refused).")
     image_pull_secrets: list[LocalObjectReference] = Field(
         default_factory=list,
         max_length=16,
@@ -519,6 +564,12 @@ class LLMServiceSpec(ApiModel):
             cel="!self.model.source.startsWith('pvc://') || !self.cache.prewarm",
             message="a pvc:// source is pre-staged: cache.prewarm does not apply",
             check=lambda s: not s.model.source.startswith("pvc://") or not s.cache.prewarm,
+        ),
+        Rule(
+            # The shared scaler (one per LLMGateway) has no per-model TLS credentials yet.
+            cel="!has(self.endpoint.gateway) || !has(self.scalerTLS)",
+            message="scalerTLS is not supported with endpoint.gateway yet",
+            check=lambda s: s.endpoint.gateway is None or s.scaler_tls is None,
         ),
         Rule(
             cel="!self.model.source.startsWith('oci://') || self.cache.strategy != 'None'",

@@ -55,6 +55,9 @@ class Reason(StrEnum):
     SECRET_NOT_FOUND = "SecretNotFound"
     WAITING_FOR_DEPENDENCIES = "WaitingForDependencies"
     TERMINATING = "Terminating"
+    # a member of a shared gateway (spec.endpoint.gateway)
+    GATEWAY_NOT_FOUND = "GatewayNotFound"
+    NOT_LISTED = "NotListed"
 
 
 class _StatusModel(BaseModel):

@@ -9,9 +9,10 @@ everything is what it asks for.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from hooks.api.common import API_VERSION
+from hooks.api.common import API_VERSION, DNS_LABEL_RE
 from hooks.config import HookConfig
 from hooks.controller import observe as obs
 from hooks.resources import labels
@@ -85,7 +86,26 @@ def related_rules(parent: dict[str, Any]) -> list[dict[str, Any]]:
         }
     )
     rules.append(dict(POOL_RULE))
+    gateway = gateway_rule(spec, namespace)
+    if gateway is not None:
+        rules.append(gateway)
     return rules
+
+
+def shared_gateway_name(spec: Any) -> str | None:
+    """spec.endpoint.gateway read from the raw spec, so that an otherwise invalid spec still names the
+    LLMGateway that fronts it; None when unset or not a DNS label."""
+    gateway = _dict(_dict(spec).get("endpoint")).get("gateway")
+    return gateway if isinstance(gateway, str) and re.fullmatch(DNS_LABEL_RE, gateway) else None
+
+
+def gateway_rule(spec: dict[str, Any], namespace: str) -> dict[str, Any] | None:
+    """The LLMGateway a member joins, by name in its own namespace: its status says whether it is Ready
+    and lists this model (GatewayReady). None without a usable name."""
+    gateway = shared_gateway_name(spec)
+    if gateway is None:
+        return None
+    return {"apiVersion": API_VERSION, "resource": "llmgateways", "namespace": namespace, "names": [gateway]}
 
 
 def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:

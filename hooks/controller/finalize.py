@@ -6,6 +6,11 @@
 2. Once no gateway Deployment is observed, the backend goes; its Pods drain through preStop.
 3. `finalized: true` only when the observed children show no gateway or backend Deployment and no
    backend Pod remains.
+
+A member of a shared gateway (`spec.endpoint.gateway`) has no gateway of its own: its step 1 is the
+LLMGateway dropping it from the routing table (it drops a member being deleted at once). Until the
+LLMGateway's status no longer lists the model, the backend stays, so nothing the gateway still
+routes there finds it gone.
 """
 
 from __future__ import annotations
@@ -32,6 +37,26 @@ def _is_deployment(obj: dict[str, Any], component: str, name: str) -> bool:
     return _component(obj) == component or (obj.get("metadata") or {}).get("name") == name
 
 
+def _shared_gateway_routes(parent: dict[str, Any], observed: obs.Observed) -> str | None:
+    """The LLMGateway that still lists this member's model, if any (read from the raw spec: a member
+    whose spec no longer parses is still torn down in order)."""
+    spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
+    endpoint = spec.get("endpoint") if isinstance(spec.get("endpoint"), dict) else {}
+    gateway_name = endpoint.get("gateway")
+    if not isinstance(gateway_name, str) or not gateway_name:
+        return None
+    meta = parent["metadata"]
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    served = model.get("servedName") if isinstance(model.get("servedName"), str) and model.get("servedName") else meta["name"]
+    gateway = observed.llmgateway(gateway_name, meta.get("namespace") or "")
+    status = (gateway or {}).get("status")
+    entries = status.get("models") if isinstance(status, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and entry.get("name") == served and entry.get("service") in (None, meta["name"]):
+            return gateway_name
+    return None
+
+
 def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
     parent = obs.require_object(request, "parent")
     cfg = resolve(config)
@@ -39,12 +64,15 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
     name = parent["metadata"]["name"]
     children = list(observed.children.values())
     gateway_up = any(_is_deployment(o, labels.GATEWAY, names.gateway(name)) for o in children)
+    routed_by = _shared_gateway_routes(parent, observed)
     backend_up = any(_is_deployment(o, labels.BACKEND, names.backend(name)) for o in children)
     pods = observed.live_pods()
-    if gateway_up:
+    if gateway_up or routed_by is not None:
         # Phase 1: keep only what serves requests already admitted.
         keep = [obs.kept(o) for o in children if _component(o) in (labels.BACKEND, labels.CACHE)]
-        message = "stopping admission: removing the gateway; the backend keeps serving in-flight requests"
+        message = ("stopping admission: removing the gateway; the backend keeps serving in-flight requests"
+                   if gateway_up else f"stopping admission: waiting for LLMGateway {routed_by} to stop routing "
+                   "this model; the backend keeps serving in-flight requests")
     else:
         keep = []
         message = (
@@ -53,7 +81,7 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
             else "teardown complete"
         )
     # Without the related Pod group we cannot see draining Pods: never call that "done".
-    finalized = not gateway_up and not backend_up and not pods and observed.pods_observed
+    finalized = not gateway_up and routed_by is None and not backend_up and not pods and observed.pods_observed
 
     previous = parent.get("status") if isinstance(parent.get("status"), dict) else {}
     conds: list[st.Cond] = []

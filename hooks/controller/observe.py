@@ -22,6 +22,7 @@ PVC = "PersistentVolumeClaim.v1"
 JOB = "Job.batch/v1"
 POD = "Pod.v1"
 RUNTIME = "InferenceRuntime.serving.noctaya.io/v1alpha1"
+LLMGATEWAY = "LLMGateway.serving.noctaya.io/v1alpha1"  # related: the shared gateway a member joins
 CRD = "CustomResourceDefinition.apiextensions.k8s.io/v1"
 SCALED_OBJECT = "ScaledObject.keda.sh/v1alpha1"
 KEDA_CRD_NAME = "scaledobjects.keda.sh"
@@ -67,6 +68,15 @@ class Observed:
 
     def related_objects(self, group: str) -> list[dict[str, Any]]:
         return objects(self.related, group)
+
+    def llmgateway(self, name: str, namespace: str) -> dict[str, Any] | None:
+        """The related LLMGateway `name` of this namespace, or None when the request carries none."""
+        for gateway in self.related_objects(LLMGATEWAY):
+            meta = gateway.get("metadata") or {}
+            # An object without a namespace was related by customize's namespaced rule: it is this one's.
+            if meta.get("name") == name and meta.get("namespace", namespace) == namespace:
+                return gateway
+        return None
 
     @property
     def keda_installed(self) -> bool:

@@ -315,6 +315,46 @@ def gateway_condition(
     return Cond(t, "True", Reason.AVAILABLE, f"{ready}/{desired} gateways ready")
 
 
+# --- shared gateway (spec.endpoint.gateway) -----------------------------------------------------
+
+# GatewayReady of a member of a shared gateway is GatewayNotFound, NotListed, or the LLMGateway's own
+# not-ready reason (passed through).
+# metav1.Condition's reason grammar: a foreign reason that does not fit is not passed through.
+_REASON_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+
+
+def _listed_models(gateway: dict[str, Any]) -> list[tuple[str, str]]:
+    """(served name, LLMService) of each well-formed `status.models` entry (service "" when absent)."""
+    entries = _as_list(_as_dict(gateway.get("status")).get("models"))
+    return [(e["name"], _text(e.get("service"))) for e in entries if isinstance(e, dict) and _text(e.get("name"))]
+
+
+def shared_gateway_condition(gateway: dict[str, Any] | None, gateway_name: str, served_name: str,
+                             service_name: str) -> Cond:
+    """GatewayReady of a member: True when the LLMGateway is Ready and lists this model. A served name
+    the gateway gives to another LLMService is said first (it needs the user, not time), then the
+    gateway's own not-ready reason, then a model not listed (yet)."""
+    t = ConditionType.GATEWAY_READY
+    if gateway is None:
+        return Cond(t, "False", Reason.GATEWAY_NOT_FOUND, f"LLMGateway {gateway_name} does not exist in this namespace")
+    listed = _listed_models(gateway)
+    others = sorted({svc for name, svc in listed if name == served_name and svc not in ("", service_name)})
+    if others:
+        return Cond(t, "False", Reason.NOT_LISTED, short(
+            f"LLMGateway {gateway_name} serves model {served_name} from LLMService {others[0]}, not this one: "
+            "served names must be unique behind one gateway (set spec.model.servedName)"))
+    ready = next((c for c in _as_list(_as_dict(gateway.get("status")).get("conditions"))
+                  if isinstance(c, dict) and c.get("type") == "Ready"), None)
+    if ready is None or ready.get("status") != "True":
+        said = _text((ready or {}).get("reason"))
+        reason: Reason | str = said if _REASON_RE.match(said) else Reason.PROGRESSING
+        detail = _text((ready or {}).get("message")) or ("not Ready" if ready else "no Ready condition yet")
+        return Cond(t, "False", reason, short(f"LLMGateway {gateway_name}: {detail}"))
+    if (served_name, service_name) not in listed and (served_name, "") not in listed:
+        return Cond(t, "False", Reason.NOT_LISTED, f"LLMGateway {gateway_name} does not list model {served_name} (yet)")
+    return Cond(t, "True", Reason.AVAILABLE, f"LLMGateway {gateway_name} serves model {served_name}")
+
+
 # --- Ready --------------------------------------------------------------------------------------
 
 

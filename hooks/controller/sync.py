@@ -4,6 +4,9 @@ Never destructive: when the spec is invalid, the runtime cannot be resolved or t
 is not implemented, every observed child is returned unchanged (Metacontroller deletes whatever a
 response omits) and a condition says why. Without KEDA's CRD the backend Deployment is not created
 (an existing one is kept): nothing could scale it.
+
+A member of a shared gateway (spec.endpoint.gateway) renders no gateway children of its own; its
+GatewayReady and status.endpoint come from the LLMGateway it names (related by customize).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from hooks.config import HookConfig, resolve
 from hooks.controller import coldstart
 from hooks.controller import observe as obs
 from hooks.controller import status as st
+from hooks.controller.customize import shared_gateway_name
 from hooks.errors import describe_validation_error
 from hooks.resources import autoscaling, backend, cache, disruption, gateway, labels, names, prewarm, scaler, secrets
 from hooks.resources.context import RenderContext, endpoint_url
@@ -76,18 +80,36 @@ def pool_notes(parent: dict[str, Any], observed: obs.Observed) -> st.PoolNotes:
     return st.pool_notes(observed.related_objects(st.POOL_GROUP), namespace_of(parent), names.scaled_object(name))
 
 
+def served_name_of(parent: dict[str, Any]) -> str:
+    """spec.model.servedName (or the name) read from the raw object, so that an invalid spec's
+    GatewayReady still looks for the right model."""
+    spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    served = model.get("servedName")
+    return served if isinstance(served, str) and served else str(parent["metadata"]["name"])
+
+
+def gateway_ready(parent: dict[str, Any], observed: obs.Observed, multi: bool, missing_auth: str | None = None) -> st.Cond:
+    """GatewayReady: the LLMService's own gateway Deployment(s), or for a member the LLMGateway it joins."""
+    name = str(parent["metadata"]["name"])
+    shared = shared_gateway_name(parent.get("spec"))
+    if shared is not None:
+        return st.shared_gateway_condition(observed.llmgateway(shared, namespace_of(parent)), shared,
+                                           served_name_of(parent), name)
+    return st.gateway_condition(
+        observed_deployment(observed, names.gateway(name)),
+        observed_deployment(observed, names.aggregator(name)),
+        multi,
+        missing_auth,
+    )
+
+
 def _observational(out: Outcome, parent: dict[str, Any], observed: obs.Observed, multi: bool) -> None:
     """BackendReady and GatewayReady from what exists, whatever the spec says."""
     parent_name = parent["metadata"]["name"]
     out.put(st.backend_condition(observed_deployment(observed, names.backend(parent_name)), observed.live_pods(),
                                  pools=pool_notes(parent, observed)))
-    out.put(
-        st.gateway_condition(
-            observed_deployment(observed, names.gateway(parent_name)),
-            observed_deployment(observed, names.aggregator(parent_name)),
-            multi,
-        )
-    )
+    out.put(gateway_ready(parent, observed, multi))
 
 
 def _missing_secrets(service: LLMService, observed: obs.Observed) -> dict[str, str]:
@@ -203,9 +225,12 @@ def plan_children(
         )
     out.put(cache_cond)
 
-    out.children.append(gateway.deployment(ctx))
-    out.children.append(gateway.public_service(ctx))
-    out.children.append(scaler.service(ctx))
+    if ctx.shared_gateway is None:
+        # A member of a shared gateway has none of these: the LLMGateway renders them for all its
+        # models, and Metacontroller deletes the ones a switch to shared leaves behind.
+        out.children.append(gateway.deployment(ctx))
+        out.children.append(gateway.public_service(ctx))
+        out.children.append(scaler.service(ctx))
     if ctx.multi_gateway:
         out.children.append(scaler.aggregator_deployment(ctx))
         out.children.append(disruption.gateway_pdb(ctx))
@@ -381,14 +406,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
             pools=pool_notes(parent, observed),
         )
     )
-    out.put(
-        st.gateway_condition(
-            observed_deployment(observed, names.gateway(name)),
-            observed_deployment(observed, names.aggregator(name)),
-            ctx.multi_gateway,
-            missing.get("auth"),
-        )
-    )
+    out.put(gateway_ready(parent, observed, ctx.multi_gateway, missing.get("auth")))
     return out
 
 
@@ -402,7 +420,7 @@ def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, c
     meta = parent.get("metadata") or {}
     name = meta["name"]
     namespace = namespace_of(parent)
-    endpoint = endpoint_url(name, namespace, config)
+    endpoint = endpoint_url(name, namespace, config, shared_gateway_name(parent.get("spec")))
     if ConditionType.READY not in out.conditions:
         out.put(st.ready_condition(out.conditions, endpoint))
     generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None

@@ -4,6 +4,8 @@ the main CompositeController: a missing KEDA CRD would stall that whole controll
 Triggers:
 - `external-push` at the internal scaler Service: gateway demand (queued + in flight). A pushed
   `true` wakes the backend at once; KEDA's own polls of IsActive/GetMetrics drive 1→N and scale-in.
+  A member of a shared gateway (`spec.endpoint.gateway`) dials the LLMGateway's scaler Service
+  instead, naming its served model in the trigger metadata (`model`).
 - optional leading-signal `prometheus` triggers, OR-combined by KEDA, each tracking the hottest
   replica: `max()` over the service's pods, with metricType Value so the HPA compares that
   maximum against the threshold (AverageValue would divide it by the replica count).
@@ -39,6 +41,9 @@ from hooks.resources.context import RenderContext
 API_VERSION = "keda.sh/v1alpha1"
 DEMAND_TRIGGER = "gateway-demand"
 WARM_WINDOW_TRIGGER = "warm-window"
+# Trigger metadata naming the served model at a shared scaler (scaler.externalscaler.MODEL_METADATA_KEY;
+# not imported: the hook server does not load the scaler's gRPC stack).
+MODEL_KEY = "model"
 MAX_HPA_WINDOW_SECONDS = 3600  # the HPA API's upper bound for a stabilization window
 
 
@@ -125,6 +130,9 @@ def scaled_object(ctx: RenderContext, yield_cooldown: int | None = None) -> Scal
         # The target travels here, not in the gateways' env: retuning rewrites this object only.
         "metadata": {"scalerAddress": ctx.scaler_address, "targetPerReplica": str(scaling.target_per_replica)},
     }
+    if ctx.shared_gateway is not None:
+        # The LLMGateway's scaler answers for every model behind it: this key says which one.
+        demand["metadata"][MODEL_KEY] = ctx.service.served_name
     tls = ctx.service.spec.scaler_tls
     if tls is not None:
         # KEDA turns TLS on from enableTLS (or from the certificates); the PEMs come from the

@@ -28,8 +28,14 @@ class RenderContext:
         return self.service.metadata.name
 
     @property
+    def shared_gateway(self) -> str | None:
+        """The LLMGateway this model joins (spec.endpoint.gateway), or None for a gateway of its own."""
+        return self.service.spec.endpoint.gateway
+
+    @property
     def multi_gateway(self) -> bool:
-        return self.service.spec.endpoint.replicas > 1
+        # A member renders no gateway of its own (and its replicas are 1 by the API's rules anyway).
+        return self.shared_gateway is None and self.service.spec.endpoint.replicas > 1
 
     def host(self, service_name: str) -> str:
         return names.service_host(service_name, self.namespace, self.config.cluster_domain)
@@ -45,24 +51,23 @@ class RenderContext:
         *, service_type: str = "ClusterIP", annotations: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         """A Service of this LLMService, labelled `component`, selecting the Pods of `selects`."""
-        return {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self.metadata(name, component, annotations),
-            "spec": {"type": service_type, "selector": labels.selector(self.name, selects), "ports": ports},
-        }
+        return service_object(self.metadata(name, component, annotations), labels.selector(self.name, selects), ports,
+                              service_type)
 
     def seconds(self, duration: str) -> int:
         return int(duration_seconds(duration))
 
     @property
     def scaler_address(self) -> str:
-        """host:port KEDA dials for the external-push trigger (the internal scaler Service)."""
-        return f"{self.host(names.scaler(self.name))}:{SCALER_GRPC_PORT}"
+        """host:port KEDA dials for the external-push trigger: the internal scaler Service, this model's own
+        or, for a member of a shared gateway, the LLMGateway's (same gRPC port)."""
+        gateway = self.shared_gateway
+        scaler = names.scaler(self.name) if gateway is None else names.shared_scaler(gateway)
+        return f"{self.host(scaler)}:{SCALER_GRPC_PORT}"
 
     @property
     def endpoint_url(self) -> str:
-        return endpoint_url(self.name, self.namespace, self.config)
+        return endpoint_url(self.name, self.namespace, self.config, self.shared_gateway)
 
 
 SCALER_GRPC_PORT = 9090
@@ -73,10 +78,24 @@ PUBLIC_PORT = 80
 METRIC_NAME = "noctaya-demand"
 
 
+def service_object(metadata: dict[str, Any], selector: dict[str, str], ports: list[dict[str, Any]],
+                   service_type: str = "ClusterIP") -> dict[str, Any]:
+    """A Service of any owner selecting the Pods `selector` picks."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {"type": service_type, "selector": selector, "ports": ports},
+    }
+
+
 def tcp_port(name: str, port: int, **extra: str) -> dict[str, Any]:
     """A Service port whose targetPort is the container port of the same name."""
     return {"name": name, "port": port, "targetPort": name, "protocol": "TCP", **extra}
 
 
-def endpoint_url(service: str, namespace: str, config: HookConfig) -> str:
-    return f"http://{names.service_host(names.public_service(service), namespace, config.cluster_domain)}/v1"
+def endpoint_url(service: str, namespace: str, config: HookConfig, gateway: str | None = None) -> str:
+    """The OpenAI base URL clients use: the LLMService's own public Service, or the shared one of the
+    LLMGateway `gateway` it joins."""
+    public = names.public_service(service) if gateway is None else names.shared_gateway(gateway)
+    return f"http://{names.service_host(public, namespace, config.cluster_domain)}/v1"

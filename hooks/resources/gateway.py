@@ -7,9 +7,12 @@ The gateway pod is hardened: restricted security context, read-only root, no ser
 
 from __future__ import annotations
 
+from dataclasses import astuple, dataclass, fields
 from typing import Any
 
-from hooks.api.common import pull_secret_names
+from gateway.modeltable import MODEL_FIELDS
+from hooks.api.common import LocalObjectReference, ResourceRequirements, pull_secret_names
+from hooks.config import HookConfig
 from hooks.resources import backend, labels, names
 from hooks.resources.context import (
     ADMIN_PORT,
@@ -55,6 +58,9 @@ def _env(name: str, value: str | int) -> dict[str, str]:
     return {"name": name, "value": str(value)}
 
 
+env_var = _env  # public for the LLMGateway's Pod env, built from the same parts (hooks.resources.shared)
+
+
 def restricted_container_security() -> dict[str, Any]:
     return {
         "runAsNonRoot": True,
@@ -67,7 +73,13 @@ def restricted_container_security() -> dict[str, Any]:
 
 def restricted_pod_spec(ctx: RenderContext, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> dict[str, Any]:
     """A Pod of Noctaya's own image (gateway, aggregate scaler): restricted, no API credentials."""
-    pull = pull_secret_names(ctx.service.spec.image_pull_secrets)
+    return restricted_pod(ctx.service.spec.image_pull_secrets, containers, volumes)
+
+
+def restricted_pod(pull_secrets: list[LocalObjectReference], containers: list[dict[str, Any]],
+                   volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """`restricted_pod_spec` for any owner (an LLMService's or an LLMGateway's Pods)."""
+    pull = pull_secret_names(pull_secrets)
     return {
         **({"imagePullSecrets": pull} if pull else {}),
         "automountServiceAccountToken": False,
@@ -87,7 +99,11 @@ def restricted_pod_spec(ctx: RenderContext, containers: list[dict[str, Any]], vo
 
 
 def resources(ctx: RenderContext) -> dict[str, Any]:
-    given = ctx.service.spec.endpoint.resources
+    return container_resources(ctx.service.spec.endpoint.resources)
+
+
+def container_resources(given: ResourceRequirements | None) -> dict[str, Any]:
+    """The gateway container's resources: the defaults, key by key replaced by what is given."""
     requests = {**DEFAULT_REQUESTS, **(given.requests if given else {})}
     limits = {**DEFAULT_LIMITS, **(given.limits if given else {})}
     return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
@@ -122,11 +138,16 @@ def tls_volume(ctx: RenderContext, *, ca_only: bool = False) -> tuple[dict[str, 
 
 
 def token_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
+    return token_volume_of(names.scaler_token(ctx.name))
+
+
+def token_volume_of(secret_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The demand-report token Secret (`secret_name`) as a volume and its mount."""
     return (
         {
             "name": "scaler-token",
             "secret": {
-                "secretName": names.scaler_token(ctx.name),
+                "secretName": secret_name,
                 "items": [{"key": TOKEN_KEY, "path": TOKEN_KEY}, {"key": PREVIOUS_TOKEN_KEY, "path": PREVIOUS_TOKEN_KEY}],
                 "defaultMode": 0o440,
             },
@@ -138,56 +159,128 @@ def token_volume(ctx: RenderContext) -> tuple[dict[str, Any], dict[str, Any]]:
 def report_url(ctx: RenderContext) -> str:
     """Where gateways send their demand: the scaler Service (it selects the aggregator and carries
     its report port), so with scaler TLS the name the scaler certificate carries is verified."""
-    scheme = "https" if ctx.service.spec.scaler_tls is not None else "http"
-    return f"{scheme}://{ctx.host(names.scaler(ctx.name))}:{REPORT_PORT}/v1/report"
+    return report_url_at(ctx.host(names.scaler(ctx.name)), https=ctx.service.spec.scaler_tls is not None)
+
+
+def report_url_at(scaler_host: str, *, https: bool = False) -> str:
+    """The report endpoint of the aggregate scaler behind the scaler Service `scaler_host`."""
+    return f"{'https' if https else 'http'}://{scaler_host}:{REPORT_PORT}/v1/report"
+
+
+# JSON key of a shared gateway's model-table entry for each ModelSettings field: the gateway's own
+# MODEL_FIELDS read backwards, so the hooks cannot render a key the gateway does not know.
+TABLE_KEYS: dict[str, str] = {field: key for key, field in MODEL_FIELDS.items()}
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What a gateway must know about one model: the per-model part of a gateway's env, and the entry of
+    a shared gateway's model table. One computation for both, so a model behaves the same behind
+    its own gateway and behind an LLMGateway. Field names are GatewayConfig's (env NOCTAYA_<FIELD>)."""
+
+    backend_url: str
+    readiness_path: str
+    max_queue: int
+    cold_mode: str
+    activation_timeout_seconds: int
+    ready_grace_seconds: int
+    retry_after_seconds: int
+    heartbeat_seconds: int
+    backend_accelerators: int
+    max_body_bytes: int
+
+    def env(self, *only: str) -> list[dict[str, str]]:
+        """NOCTAYA_<FIELD> of the named fields, in the order named (the env's order is the Pod
+        template's: reordering it would roll every gateway)."""
+        values = self.__dict__
+        return [_env("NOCTAYA_" + name.upper(), values[name]) for name in only]
+
+    def table_entry(self, served_name: str) -> dict[str, str | int]:
+        """This model's entry of a shared gateway's table (every field, in field order)."""
+        entry: dict[str, str | int] = {"name": served_name}
+        for f, value in zip(fields(self), astuple(self), strict=True):
+            entry[TABLE_KEYS[f.name]] = value
+        return entry
+
+
+def model_settings(ctx: RenderContext) -> ModelSettings:
+    spec = ctx.service.spec
+    ep = spec.endpoint
+    return ModelSettings(
+        backend_url=backend.url(ctx),
+        readiness_path=pod.readiness_path(ctx.runtime),
+        max_queue=ep.max_queue,
+        cold_mode=ep.cold_request_mode,
+        activation_timeout_seconds=ctx.seconds(spec.scaling.activation_timeout),
+        ready_grace_seconds=READY_GRACE_SECONDS,
+        retry_after_seconds=ep.retry_after_seconds,
+        heartbeat_seconds=HEARTBEAT_SECONDS,
+        backend_accelerators=spec.resources.accelerators,
+        max_body_bytes=MAX_BODY_BYTES,
+    )
+
+
+def client_env(max_connections_per_address: int | None, request_timeout_seconds: int | None) -> list[dict[str, str]]:
+    """Bounds on client connections (a Pod's, whichever models it fronts); only when set: the
+    gateway's own defaults otherwise (an unchanged template for everyone else)."""
+    out = []
+    if max_connections_per_address is not None:
+        out.append(_env("NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", max_connections_per_address))
+    if request_timeout_seconds is not None:
+        out.append(_env("NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS", request_timeout_seconds))
+    return out
+
+
+def scaler_env(multi: bool, report_to: str) -> list[dict[str, str]]:
+    """How the gateway's demand reaches KEDA: its own gRPC scaler (one gateway), or reports to the
+    aggregate scaler at `report_to` (several gateways, each with the token Secret mounted)."""
+    if multi:
+        return [
+            _env("NOCTAYA_SCALER_MODE", "report"),
+            _env("NOCTAYA_AGGREGATOR_URL", report_to),
+            _env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{TOKEN_DIR}/{TOKEN_KEY}"),
+            _env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{TOKEN_DIR}/{PREVIOUS_TOKEN_KEY}"),
+        ]
+    return [_env("NOCTAYA_SCALER_MODE", "local"), _env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT)]
 
 
 def env(ctx: RenderContext) -> list[dict[str, str]]:
     spec = ctx.service.spec
     ep = spec.endpoint
+    model = model_settings(ctx)
     out = [
         _env("NOCTAYA_LISTEN_PORT", GATEWAY_PORT),
         _env("NOCTAYA_ADMIN_PORT", ADMIN_PORT),
-        _env("NOCTAYA_BACKEND_URL", backend.url(ctx)),
-        _env("NOCTAYA_READINESS_PATH", pod.readiness_path(ctx.runtime)),
+        *model.env("backend_url", "readiness_path"),
         _env("NOCTAYA_SERVED_MODEL_NAME", ctx.service.served_name),
-        _env("NOCTAYA_MAX_QUEUE", ep.max_queue),
-        _env("NOCTAYA_COLD_MODE", ep.cold_request_mode),
-        _env("NOCTAYA_ACTIVATION_TIMEOUT_SECONDS", ctx.seconds(spec.scaling.activation_timeout)),
-        _env("NOCTAYA_READY_GRACE_SECONDS", READY_GRACE_SECONDS),
+        *model.env("max_queue", "cold_mode", "activation_timeout_seconds", "ready_grace_seconds"),
         _env("NOCTAYA_QUEUE_FULL_RETRY_AFTER_SECONDS", QUEUE_FULL_RETRY_AFTER_SECONDS),
-        _env("NOCTAYA_RETRY_AFTER_SECONDS", ep.retry_after_seconds),
-        _env("NOCTAYA_HEARTBEAT_SECONDS", HEARTBEAT_SECONDS),
+        *model.env("retry_after_seconds", "heartbeat_seconds"),
         _env("NOCTAYA_DRAIN_GRACE_SECONDS", DRAIN_GRACE_SECONDS),
-        _env("NOCTAYA_BACKEND_ACCELERATORS", spec.resources.accelerators),
-        _env("NOCTAYA_MAX_BODY_BYTES", MAX_BODY_BYTES),
+        *model.env("backend_accelerators", "max_body_bytes"),
+        *client_env(ep.max_connections_per_address, ep.request_timeout_seconds),
     ]
-    # Only when set: the gateway's own defaults otherwise (an unchanged template for everyone else).
-    if ep.max_connections_per_address is not None:
-        out.append(_env("NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", ep.max_connections_per_address))
-    if ep.request_timeout_seconds is not None:
-        out.append(_env("NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS", ep.request_timeout_seconds))
     if ep.auth is not None:
         out.append(_env("NOCTAYA_AUTH_KEY_FILE", f"{AUTH_DIR}/{AUTH_FILE}"))
         out.append(_env("NOCTAYA_AUTH_SECRET", ep.auth.secret_ref.name))
     out.append(_env("NOCTAYA_METRIC_NAME", METRIC_NAME))
+    out.extend(scaler_env(ctx.multi_gateway, report_url(ctx)))
     if ctx.multi_gateway:
-        out.append(_env("NOCTAYA_SCALER_MODE", "report"))
-        out.append(_env("NOCTAYA_AGGREGATOR_URL", report_url(ctx)))
-        out.append(_env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{TOKEN_DIR}/{TOKEN_KEY}"))
-        out.append(_env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{TOKEN_DIR}/{PREVIOUS_TOKEN_KEY}"))
         if spec.scaler_tls is not None:
             out.append(_env("NOCTAYA_SCALER_TLS_SECRET", spec.scaler_tls.secret_name))
             out.append(_env("NOCTAYA_AGGREGATOR_CA_FILE", f"{TLS_DIR}/ca.crt"))
-    else:
-        out.append(_env("NOCTAYA_SCALER_MODE", "local"))
-        out.append(_env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT))
-        if spec.scaler_tls is not None:
-            out.extend(tls_env(ctx))
+    elif spec.scaler_tls is not None:
+        out.extend(tls_env(ctx))
     return out
 
 
 def _anti_affinity(ctx: RenderContext) -> dict[str, Any]:
+    return anti_affinity(labels.selector(ctx.name, labels.GATEWAY))
+
+
+def anti_affinity(selector: dict[str, str]) -> dict[str, Any]:
+    """Gateways of one owner (`selector`) preferably on different nodes: a node drain or loss then
+    leaves the others serving."""
     return {
         "podAntiAffinity": {
             "preferredDuringSchedulingIgnoredDuringExecution": [
@@ -195,7 +288,7 @@ def _anti_affinity(ctx: RenderContext) -> dict[str, Any]:
                     "weight": 100,
                     "podAffinityTerm": {
                         "topologyKey": "kubernetes.io/hostname",
-                        "labelSelector": {"matchLabels": labels.selector(ctx.name, labels.GATEWAY)},
+                        "labelSelector": {"matchLabels": selector},
                     },
                 }
             ]
@@ -215,26 +308,12 @@ def http_probe(path: str, port: str, period: int, failures: int, *, https: bool 
 def deployment(ctx: RenderContext) -> dict[str, Any]:
     ep = ctx.service.spec.endpoint
     volumes: list[dict[str, Any]] = []
-    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict[str, Any]] = []
     if ep.auth is not None:
-        ref = ep.auth.secret_ref
-        volumes.append(
-            {
-                "name": "auth",
-                "secret": {
-                    "secretName": ref.name,
-                    "items": [{"key": ref.key or "api-key", "path": AUTH_FILE}],
-                    "defaultMode": 0o440,
-                    # The Pod starts without the Secret and says which one is missing (scaler.secretfiles).
-                    "optional": True,
-                },
-            }
-        )
-        mounts.append({"name": "auth", "mountPath": AUTH_DIR, "readOnly": True})
-    # `admin` (/metrics, /noctaya/queue) is a container port only: no Service exposes it, so the
-    # public Service (often a LoadBalancer) cannot; the example PodMonitor scrapes it per Pod.
-    ports = [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
-             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"}]
+        vol, mount = secret_file_volume("auth", ep.auth.secret_ref.name, ep.auth.secret_ref.key or "api-key",
+                                        AUTH_FILE, AUTH_DIR)
+        volumes.append(vol)
+        mounts.append(mount)
     if ctx.multi_gateway:
         vol, mount = token_volume(ctx)
         volumes.append(vol)
@@ -243,20 +322,54 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
             vol, mount = tls_volume(ctx, ca_only=True)
             volumes.append(vol)
             mounts.append(mount)
-    else:
+    elif ctx.service.spec.scaler_tls is not None:
+        vol, mount = tls_volume(ctx)
+        volumes.append(vol)
+        mounts.append(mount)
+    container = gateway_container(ctx.config, env(ctx), resources(ctx), mounts, local_scaler=not ctx.multi_gateway)
+    pod_spec = restricted_pod_spec(ctx, [container], volumes)
+    if ctx.multi_gateway:
+        pod_spec["affinity"] = _anti_affinity(ctx)
+    return deployment_object(ctx.metadata(names.gateway(ctx.name), labels.GATEWAY), ep.replicas,
+                             labels.selector(ctx.name, labels.GATEWAY), labels.labels(ctx.name, labels.GATEWAY),
+                             pod_spec)
+
+
+def secret_file_volume(volume: str, secret: str, key: str, path: str, mount_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One key of a Secret as the file `<mount_dir>/<path>` (a client API key), with its mount."""
+    return (
+        {
+            "name": volume,
+            "secret": {
+                "secretName": secret,
+                "items": [{"key": key, "path": path}],
+                "defaultMode": 0o440,
+                # The Pod starts without the Secret and says which one is missing (scaler.secretfiles).
+                "optional": True,
+            },
+        },
+        {"name": volume, "mountPath": mount_dir, "readOnly": True},
+    )
+
+
+def gateway_container(config: HookConfig, env: list[dict[str, str]], resources: dict[str, Any],
+                      mounts: list[dict[str, Any]], *, local_scaler: bool) -> dict[str, Any]:
+    """The gateway container of any gateway Pod (one model's or an LLMGateway's); `local_scaler`:
+    it runs the gRPC ExternalScaler itself (one gateway replica)."""
+    # `admin` (/metrics, /noctaya/queue) is a container port only: no Service exposes it, so the
+    # public Service (often a LoadBalancer) cannot; the example PodMonitor scrapes it per Pod.
+    ports = [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
+             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"}]
+    if local_scaler:
         ports.append({"name": "grpc", "containerPort": SCALER_GRPC_PORT, "protocol": "TCP"})
-        if ctx.service.spec.scaler_tls is not None:
-            vol, mount = tls_volume(ctx)
-            volumes.append(vol)
-            mounts.append(mount)
-    container = {
+    return {
         "name": CONTAINER_NAME,
-        "image": ctx.config.image,
-        "imagePullPolicy": ctx.config.image_pull_policy,
+        "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
         "command": ["python", "-m", "gateway"],
-        "env": [*env(ctx), _env("PYTHONDONTWRITEBYTECODE", 1), _env("PYTHONUNBUFFERED", 1)],
+        "env": [*env, _env("PYTHONDONTWRITEBYTECODE", 1), _env("PYTHONUNBUFFERED", 1)],
         "ports": ports,
-        "resources": resources(ctx),
+        "resources": resources,
         "securityContext": restricted_container_security(),
         # On the admin port, never the public one: the public port's connections are open to any
         # client (idle ones need no API key), so a full pool there would fail readiness (the
@@ -265,20 +378,22 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
         # (503 while draining); the public /healthz stays for load balancers.
         "readinessProbe": http_probe("/healthz", PROBE_PORT, 5, 2),
         "livenessProbe": http_probe("/healthz", PROBE_PORT, 10, 6),
-        "volumeMounts": mounts,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts],
     }
-    pod_spec = restricted_pod_spec(ctx, [container], volumes)
-    if ctx.multi_gateway:
-        pod_spec["affinity"] = _anti_affinity(ctx)
+
+
+def deployment_object(metadata: dict[str, Any], replicas: int, selector: dict[str, str], pod_labels: dict[str, str],
+                      pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """A Deployment of Noctaya's own Pods (gateways, aggregate scalers)."""
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": ctx.metadata(names.gateway(ctx.name), labels.GATEWAY),
+        "metadata": metadata,
         "spec": {
-            "replicas": ep.replicas,
-            "selector": {"matchLabels": labels.selector(ctx.name, labels.GATEWAY)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
             "revisionHistoryLimit": 3,
-            "template": {"metadata": {"labels": labels.labels(ctx.name, labels.GATEWAY)}, "spec": pod_spec},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
         },
     }
 

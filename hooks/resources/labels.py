@@ -55,3 +55,18 @@ def selector(service: str, component: str) -> dict[str, str]:
 
 def labels(service: str, component: str) -> dict[str, str]:
     return {**selector(service, component), MANAGED_BY: MANAGER}
+
+
+# Children of an LLMGateway carry this key instead of LLMSERVICE: an LLMService's rules (its Pods, its
+# children) then never select a shared gateway's objects, even when the two share a name.
+LLMGATEWAY = "serving.noctaya.io/llmgateway"
+ROUTES = "routes"  # an LLMGateway's routing ConfigMap
+
+
+def gateway_selector(gateway: str, component: str) -> dict[str, str]:
+    """`selector` for the children of the LLMGateway `gateway`."""
+    return {LLMGATEWAY: label_value(gateway), COMPONENT: component}
+
+
+def gateway_labels(gateway: str, component: str) -> dict[str, str]:
+    return {**gateway_selector(gateway, component), MANAGED_BY: MANAGER}

@@ -22,6 +22,13 @@ SCALER = "scaler"  # internal gRPC ExternalScaler Service (never the public one)
 AGGREGATOR = "aggregator"  # aggregate-scaler Deployment and Service (endpoint.replicas > 1)
 SCALER_TOKEN = "scaler-token"  # per-service token Secret of the demand reports
 CACHE = "cache"  # model cache PersistentVolumeClaim
+# Children of an LLMGateway `<gateway>` (a shared front door), in the same namespace as LLMServices:
+# one word each, so that none is the tail of an LLMService child's name or of another's.
+SHARED_GATEWAY = "llmgw"  # Deployment, public Service and PDB of the shared gateway
+SHARED_SCALER = "llmgwscaler"  # its internal gRPC ExternalScaler Service (every member's ScaledObject dials it)
+SHARED_AGGREGATOR = "llmgwaggregator"  # its aggregate scaler (replicas > 1)
+SHARED_TOKEN = "llmgwtoken"  # its demand-report token Secret (replicas > 1)
+SHARED_ROUTES = "llmgwroutes"  # its routing ConfigMap (the model table)
 
 
 def stable_hash(text: str, length: int = _HASH_LENGTH) -> str:
@@ -82,3 +89,23 @@ def scaled_object(service: str) -> str:
 def service_host(name: str, namespace: str, cluster_domain: str) -> str:
     """In-cluster DNS name of a Service."""
     return f"{name}.{namespace}.svc.{cluster_domain}"
+
+
+def shared_gateway(gateway: str) -> str:
+    return child_name(gateway, SHARED_GATEWAY)
+
+
+def shared_scaler(gateway: str) -> str:
+    return child_name(gateway, SHARED_SCALER)
+
+
+def shared_aggregator(gateway: str) -> str:
+    return child_name(gateway, SHARED_AGGREGATOR)
+
+
+def shared_token(gateway: str) -> str:
+    return child_name(gateway, SHARED_TOKEN)
+
+
+def shared_routes(gateway: str) -> str:
+    return child_name(gateway, SHARED_ROUTES)

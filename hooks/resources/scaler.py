@@ -9,8 +9,11 @@ gRPC port is only on this internal Service, never the public one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from hooks.api.common import LocalObjectReference
+from hooks.config import HookConfig
 from hooks.resources import gateway, labels, names
 from hooks.resources.context import METRIC_NAME, REPORT_PORT, SCALER_GRPC_PORT, RenderContext, tcp_port
 
@@ -34,12 +37,14 @@ def _grpc_port() -> dict[str, Any]:
     return tcp_port("grpc", SCALER_GRPC_PORT, appProtocol="grpc")
 
 
-def service(ctx: RenderContext) -> dict[str, Any]:
-    if ctx.multi_gateway:
-        ports = [_grpc_port(), tcp_port("report", REPORT_PORT)]
-        return ctx.service_object(names.scaler(ctx.name), labels.SCALER, labels.AGGREGATOR, ports)
-    return ctx.service_object(names.scaler(ctx.name), labels.SCALER, labels.GATEWAY, [_grpc_port()])
+def ports(multi: bool) -> list[dict[str, Any]]:
+    """The scaler Service's ports: gRPC, and with several gateways the aggregator's report port."""
+    return [_grpc_port(), tcp_port("report", REPORT_PORT)] if multi else [_grpc_port()]
 
+
+def service(ctx: RenderContext) -> dict[str, Any]:
+    selects = labels.AGGREGATOR if ctx.multi_gateway else labels.GATEWAY
+    return ctx.service_object(names.scaler(ctx.name), labels.SCALER, selects, ports(ctx.multi_gateway))
 
 
 def _env(name: str, value: str | int) -> dict[str, str]:
@@ -47,14 +52,22 @@ def _env(name: str, value: str | int) -> dict[str, str]:
 
 
 def members_per_address(ctx: RenderContext) -> int:
+    return members_per_address_of(ctx.service.spec.endpoint.replicas)
+
+
+def members_per_address_of(gateways: int) -> int:
     """NOCTAYA_MAX_MEMBERS_PER_ADDRESS: every gateway behind one address, with a rollout's surge."""
-    return MEMBERS_PER_ADDRESS_PER_GATEWAY * ctx.service.spec.endpoint.replicas
+    return MEMBERS_PER_ADDRESS_PER_GATEWAY * gateways
 
 
 def max_members(ctx: RenderContext) -> int:
+    return max_members_of(ctx.service.spec.endpoint.replicas)
+
+
+def max_members_of(gateways: int) -> int:
     """NOCTAYA_MAX_MEMBERS: room for one address at its cap and, beside it, every gateway with its
     surge (one Pod holding its address's whole allowance cannot lock the others out)."""
-    return max(MAX_MEMBERS, 2 * members_per_address(ctx))
+    return max(MAX_MEMBERS, 2 * members_per_address_of(gateways))
 
 
 def tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
@@ -63,34 +76,51 @@ def tcp_probe(port: str, period: int, failures: int) -> dict[str, Any]:
 
 def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
     spec = ctx.service.spec
-    per_address = members_per_address(ctx)
+    tls_env: list[dict[str, str]] = []
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    if spec.scaler_tls is not None:
+        tls_env.extend(gateway.tls_env(ctx))
+        # Checked at startup: the certificate must carry the name gateways (and KEDA) dial.
+        tls_env.append(_env("NOCTAYA_REPORT_SERVER_NAME", ctx.host(names.scaler(ctx.name))))
+        tls_vol, tls_mount = gateway.tls_volume(ctx)
+        volumes.append(tls_vol)
+        mounts.append(tls_mount)
+    pod_spec = aggregator_pod(ctx.config, spec.image_pull_secrets, names.scaler_token(ctx.name),
+                              gateways=spec.endpoint.replicas, max_member_demand=spec.endpoint.max_queue,
+                              extra_env=tls_env, extra_volumes=volumes, extra_mounts=mounts)
+    return gateway.deployment_object(
+        ctx.metadata(names.aggregator(ctx.name), labels.AGGREGATOR),
+        # Memory-only by design: one replica; after a restart the gateways' 2 s heartbeats rebuild it.
+        1, labels.selector(ctx.name, labels.AGGREGATOR), labels.labels(ctx.name, labels.AGGREGATOR), pod_spec)
+
+
+def aggregator_pod(
+    config: HookConfig, pull_secrets: list[LocalObjectReference], token_secret: str, *, gateways: int,
+    max_member_demand: int, extra_env: Sequence[dict[str, str]] = (), extra_volumes: Sequence[dict[str, Any]] = (),
+    extra_mounts: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """The aggregate scaler's Pod for `gateways` reporting gateway replicas (any owner's)."""
+    per_address = members_per_address_of(gateways)
     env = [
         _env("NOCTAYA_REPORT_PORT", REPORT_PORT),
         _env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT),
         _env("NOCTAYA_AGGREGATOR_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.TOKEN_KEY}"),
         _env("NOCTAYA_AGGREGATOR_PREVIOUS_TOKEN_FILE", f"{gateway.TOKEN_DIR}/{gateway.PREVIOUS_TOKEN_KEY}"),
-        _env("NOCTAYA_MAX_MEMBERS", max_members(ctx)),
+        _env("NOCTAYA_MAX_MEMBERS", max_members_of(gateways)),
         _env("NOCTAYA_MAX_MEMBERS_PER_ADDRESS", per_address),
         _env("NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS", CONNECTIONS_PER_MEMBER * per_address),
-        _env("NOCTAYA_MAX_MEMBER_DEMAND", spec.endpoint.max_queue),
+        _env("NOCTAYA_MAX_MEMBER_DEMAND", max_member_demand),
         _env("NOCTAYA_MEMBER_TTL_SECONDS", MEMBER_TTL_SECONDS),
         _env("NOCTAYA_MAX_CONCURRENT_REPORTS", MAX_CONCURRENT_REPORTS),
         _env("NOCTAYA_METRIC_NAME", METRIC_NAME),
+        *extra_env,
     ]
-    vol, mount = gateway.token_volume(ctx)
-    volumes = [vol]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, mount]
-    if spec.scaler_tls is not None:
-        env.extend(gateway.tls_env(ctx))
-        # Checked at startup: the certificate must carry the name gateways (and KEDA) dial.
-        env.append(_env("NOCTAYA_REPORT_SERVER_NAME", ctx.host(names.scaler(ctx.name))))
-        tls_vol, tls_mount = gateway.tls_volume(ctx)
-        volumes.append(tls_vol)
-        mounts.append(tls_mount)
+    vol, mount = gateway.token_volume_of(token_secret)
     container = {
         "name": "aggregator",
-        "image": ctx.config.image,
-        "imagePullPolicy": ctx.config.image_pull_policy,
+        "image": config.image,
+        "imagePullPolicy": config.image_pull_policy,
         "command": ["python", "-m", "scaler", "aggregate"],
         "env": [*env, _env("PYTHONDONTWRITEBYTECODE", 1), _env("PYTHONUNBUFFERED", 1)],
         "ports": [
@@ -106,21 +136,6 @@ def aggregator_deployment(ctx: RenderContext) -> dict[str, Any]:
         # liveness probe dials the gRPC listener, which is KEDA's and has no connection cap.
         "readinessProbe": tcp_probe("report", 5, 2),
         "livenessProbe": tcp_probe("grpc", 10, 6),
-        "volumeMounts": mounts,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, mount, *extra_mounts],
     }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": ctx.metadata(names.aggregator(ctx.name), labels.AGGREGATOR),
-        "spec": {
-            # Memory-only by design: one replica; after a restart the gateways' 2 s heartbeats rebuild it.
-            "replicas": 1,
-            "selector": {"matchLabels": labels.selector(ctx.name, labels.AGGREGATOR)},
-            "revisionHistoryLimit": 3,
-            "template": {
-                "metadata": {"labels": labels.labels(ctx.name, labels.AGGREGATOR)},
-                "spec": gateway.restricted_pod_spec(ctx, [container], volumes),
-            },
-        },
-    }
-
+    return gateway.restricted_pod(pull_secrets, [container], [vol, *extra_volumes])

@@ -18,8 +18,10 @@ import base64
 import binascii
 import hashlib
 import hmac
+from collections.abc import Callable
 from typing import Any
 
+from hooks.config import HookConfig
 from hooks.resources import gateway, labels, names
 from hooks.resources.context import RenderContext
 
@@ -51,18 +53,26 @@ def _observed_token(observed: dict[str, Any] | None, key: str = gateway.TOKEN_KE
 
 
 def token_secret(ctx: RenderContext, observed: dict[str, Any] | None) -> dict[str, Any]:
-    epoch = ctx.config.token_epoch
+    return token_secret_object(ctx.config, ctx.uid or f"{ctx.namespace}/{ctx.name}",
+                               lambda annotations: ctx.metadata(names.scaler_token(ctx.name), labels.AUTH, annotations),
+                               observed)
+
+
+def token_secret_object(config: HookConfig, seed: str, metadata: Callable[[dict[str, str]], dict[str, Any]],
+                        observed: dict[str, Any] | None) -> dict[str, Any]:
+    """The token Secret of any owner: `seed` (its uid) derives a first token, `metadata(annotations)`
+    names and labels the Secret; an observed token of the current epoch is kept."""
+    epoch = config.token_epoch
     current = _observed_token(observed)
     previous = _observed_token(observed, gateway.PREVIOUS_TOKEN_KEY)
     if current is None or observed is None or _observed_epoch(observed) != epoch:
-        seed = ctx.uid or f"{ctx.namespace}/{ctx.name}"
-        fresh = base64.b64encode(derive_token(ctx.config.token_key, seed, epoch).encode()).decode()
+        fresh = base64.b64encode(derive_token(config.token_key, seed, epoch).encode()).decode()
         previous = current if current is not None and current != fresh else previous
         current = fresh
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": ctx.metadata(names.scaler_token(ctx.name), labels.AUTH, {EPOCH_ANNOTATION: str(epoch)}),
+        "metadata": metadata({EPOCH_ANNOTATION: str(epoch)}),
         "type": "Opaque",
         # `data` (base64), not `stringData`: the API server returns `data`, so the applied and the
         # observed object agree and the 3-way merge has nothing to change. `previous-token` is always

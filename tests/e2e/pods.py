@@ -2,9 +2,12 @@
 
 - ``LocalPods`` plays the kubelet for a Deployment the hooks rendered in Noctaya's own image (gateway,
   aggregator): it reads the Deployment from the API server and starts one process per replica with
-  that Deployment's command, env and Secret volumes (written to files, their mount paths rewritten),
-  each on a private loopback address, and makes every Service selecting those Pods resolve to them.
-  So what is tested is the rendered Deployment, not a hand-written command line.
+  that Deployment's command, env, Secret and ConfigMap volumes (written to files, their mount paths
+  rewritten), each on a private loopback address, and makes every Service selecting those Pods resolve
+  to them. So what is tested is the rendered Deployment, not a hand-written command line. A ConfigMap
+  volume is refreshed as the kubelet does it — new files in a fresh directory, then one atomic swap of
+  the ``..data`` link — every ``CONFIG_MAP_SYNC_SECONDS`` (a kubelet's periodic Pod sync is about a
+  minute by default; the suite shortens it so a membership change is seen within its timeouts).
 - ``ModelServer`` is the backend: a small OpenAI-compatible server that listens exactly while the
   backend Deployment has a Ready Pod (as kwok reports it), so a cold request really waits for KEDA →
   Deployment → ReplicaSet → scheduler → kwok → gateway readiness.
@@ -13,6 +16,8 @@
 from __future__ import annotations
 
 import base64
+import os
+import shutil
 import sys
 import threading
 import time
@@ -28,6 +33,7 @@ from tests.kube.apiserver import REPO_ROOT
 CLUSTER_DOMAIN = "cluster.local"
 POLL_SECONDS = 0.1
 DRAIN_GRACE_SECONDS = 30.0  # a scaled-in backend answers what it has in flight for this long, at most
+CONFIG_MAP_SYNC_SECONDS = 1.0
 
 
 def service_hosts(name: str, namespace: str) -> list[str]:
@@ -48,6 +54,9 @@ class LocalPods:
         self.env_overrides = dict(env or {})  # what a benchmark changes on top of the rendered env
         self.addresses: list[str] = []
         self._names: list[str] = []
+        self._config_maps: list[tuple[dict[str, Any], Path]] = []  # (volume source, local mount dir)
+        self._stop = threading.Event()
+        self._sync: threading.Thread | None = None
 
     def start(self, replicas: int | None = None) -> LocalPods:
         obj = self.cluster.get("deployment", self.deployment, self.namespace)
@@ -58,6 +67,9 @@ class LocalPods:
         count = obj["spec"].get("replicas", 1) if replicas is None else replicas
         for index in range(count):
             self._start_one(index, container, spec.get("volumes") or [])
+        if self._config_maps and self._sync is None:
+            self._sync = threading.Thread(target=self._sync_config_maps, name=f"kubelet-{self.deployment}", daemon=True)
+            self._sync.start()
         for svc in self.cluster.api(f"/api/v1/namespaces/{self.namespace}/services")["items"]:
             if selects(svc["spec"].get("selector") or {}, labels):
                 for host in service_hosts(svc["metadata"]["name"], self.namespace):
@@ -75,6 +87,9 @@ class LocalPods:
             local.mkdir(parents=True)
             if "secret" in volume:
                 self._write_secret(volume["secret"], local)
+            elif "configMap" in volume:
+                self._write_config_map(volume["configMap"], local)
+                self._config_maps.append((volume["configMap"], local))
             mounts[mount["mountPath"]] = local
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(mounts.get("/tmp", root)),
                "NOCTAYA_LISTEN_HOST": address}
@@ -98,6 +113,42 @@ class LocalPods:
             path.write_bytes(data[item["key"]])
             path.chmod(0o400)
 
+    def _write_config_map(self, volume: dict[str, Any], target: Path) -> bool:
+        """The kubelet's atomic writer: the files in a new timestamped directory, then ``..data`` swapped
+        to it with one rename, so a reader never sees a half-written file. True when the data changed."""
+        obj = self.cluster.get("configmap", volume["name"], self.namespace)
+        if obj is None:
+            assert volume.get("optional"), f"configmap {volume['name']} missing"
+            return False
+        data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+        items = volume.get("items") or [{"key": k, "path": k} for k in sorted(data)]
+        current = target / "..data"
+        if current.exists() and all((current / i["path"]).read_bytes() == data.get(i["key"], b"") for i in items):
+            return False
+        fresh = target / f"..{time.time_ns()}"
+        fresh.mkdir()
+        for item in items:
+            (fresh / item["path"]).write_bytes(data[item["key"]])
+        old = os.readlink(current) if current.is_symlink() else None
+        link = target / "..data_tmp"
+        link.symlink_to(fresh.name)
+        os.replace(link, current)
+        if old is not None:
+            shutil.rmtree(target / old, ignore_errors=True)
+        for item in items:  # the user-visible names point through ..data, as the kubelet makes them
+            visible = target / item["path"]
+            if not visible.is_symlink():
+                visible.symlink_to(f"..data/{item['path']}")
+        return True
+
+    def _sync_config_maps(self) -> None:
+        while not self._stop.wait(CONFIG_MAP_SYNC_SECONDS):
+            for volume, target in self._config_maps:
+                try:
+                    self._write_config_map(volume, target)
+                except (requests.RequestException, OSError):
+                    pass  # the next sync tries again, as the kubelet does
+
     def wait_http(self, port: int, path: str = "/healthz", timeout: float = 30.0) -> None:
         """Until every replica answers ``path`` on ``port`` (the public /healthz, as load balancers ask it)."""
         for name, address in zip(self._names, self.addresses, strict=True):
@@ -116,6 +167,9 @@ class LocalPods:
         return f"http://{self.addresses[index]}:{port}"
 
     def stop(self) -> None:
+        self._stop.set()
+        if self._sync is not None:
+            self._sync.join(10)
         for name in self._names:
             self.cluster.stop_process(name)
         self._names.clear()

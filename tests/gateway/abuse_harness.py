@@ -1,8 +1,10 @@
 """A process harness for the gateway's abuse suite (tests/gateway/test_abuse.py).
 
 `python -m gateway` runs as a real process tree (supervisor, workers, scaler child) from the env the
-hooks render into the gateway Deployment of an example LLMService; a test overrides only what it
-needs (loopback addresses, free ports, small deadlines, the fake backend). Clients are raw sockets,
+hooks render into the gateway Deployment of an example LLMService, or (``shared=True``) as a shared
+gateway fronting that model from a model table, listed first with the rendered model's settings as
+its fields, beside another model (``OTHER_MODEL``) with a backend of its own; a test overrides only
+what it needs (loopback addresses, free ports, small deadlines, the fake backend). Clients are raw sockets,
 optionally bound to other loopback source addresses (the whole 127.0.0.0/8 is loopback), so
 per-address limits can be exercised from one machine. Memory limits are real cgroups when this
 machine lets us create one (v2, else v1), with the whole tree's RSS sampled besides.
@@ -40,6 +42,7 @@ RUNTIME_EXAMPLE = ROOT / "examples/runtimes/vllm-nvidia.yaml"
 MODEL_EXAMPLE = ROOT / "examples/models/scale-to-zero.yaml"
 REF = pb.ScaledObjectRef(name="qwen-7b", namespace="default", scalerMetadata={})
 MiB = 1024 * 1024
+OTHER_MODEL = "other/model-b"  # the second model of a shared gateway's table
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
@@ -259,13 +262,35 @@ class PeakTreeRSS:
 
 
 # -- the gateway Pod ----------------------------------------------------------------------------------
-class GatewayPod:
-    """`python -m gateway` from the rendered env plus ``overrides``."""
+def model_name() -> str:
+    """The served model name the hooks render (and a shared gateway's table lists)."""
+    return rendered_env()["NOCTAYA_SERVED_MODEL_NAME"]
 
-    def __init__(self, backend_port: int, *, cgroup: MemoryCgroup | None = None, **overrides: str) -> None:
+
+def table_entry(env: dict[str, str]) -> dict[str, Any]:
+    """The rendered model as a model-table entry: every per-model setting the env sets, as a field."""
+    from gateway.config import env_name
+    from gateway.modeltable import MODEL_FIELDS
+
+    entry: dict[str, Any] = {"name": env["NOCTAYA_SERVED_MODEL_NAME"]}
+    for key, field_name in MODEL_FIELDS.items():
+        if env.get(env_name(field_name)):
+            entry[key] = env[env_name(field_name)]
+    return entry
+
+
+class GatewayPod:
+    """`python -m gateway` from the rendered env plus ``overrides``; with ``shared`` a shared gateway
+    whose table lists the rendered model (its settings from the same env) and ``OTHER_MODEL``, whose
+    backend is ``other_backend_port`` (a port nothing listens on by default)."""
+
+    def __init__(self, backend_port: int, *, cgroup: MemoryCgroup | None = None, shared: bool = False,
+                 other_backend_port: int | None = None, other_model: dict[str, Any] | None = None,
+                 **overrides: str) -> None:
         self.port = free_port()
         self.admin_port = free_port()
         self.scaler_port = free_port()
+        self.shared = shared
         env = rendered_env()
         env.update({
             "NOCTAYA_BACKEND_URL": f"http://127.0.0.1:{backend_port}",
@@ -277,8 +302,18 @@ class GatewayPod:
             "NOCTAYA_DRAIN_GRACE_SECONDS": "1",  # the tests stop it with requests still held
             **overrides,
         })
-        self.env = env
         self.model = env["NOCTAYA_SERVED_MODEL_NAME"]
+        self._table_dir: tempfile.TemporaryDirectory | None = None
+        if shared:
+            # The Pod's settings stay in the env; the model's own come from its table entry.
+            self._table_dir = tempfile.TemporaryDirectory(prefix="noctaya-abuse-table-")
+            table = Path(self._table_dir.name) / "models.json"
+            other = {"name": OTHER_MODEL, "backendURL": f"http://127.0.0.1:{other_backend_port or free_port()}",
+                     **(other_model or {})}
+            table.write_text(json.dumps({"models": [table_entry(env), other]}))
+            env = {k: v for k, v in env.items() if k not in ("NOCTAYA_BACKEND_URL", "NOCTAYA_SERVED_MODEL_NAME")}
+            env["NOCTAYA_MODEL_TABLE_FILE"] = str(table)
+        self.env = env
         full = {k: v for k, v in os.environ.items() if not k.startswith("NOCTAYA_")}
         full.update(env)
         full["PYTHONPATH"] = str(ROOT)
@@ -288,6 +323,13 @@ class GatewayPod:
             argv = cgroup.wrap(argv)
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=full, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until(self._up, 30, "the gateway's admin and public ports", interval=0.05)
+
+    @property
+    def ref(self) -> pb.ScaledObjectRef:
+        """What KEDA sends for this model's ScaledObject (a shared gateway's trigger names the model)."""
+        if not self.shared:
+            return REF
+        return pb.ScaledObjectRef(name="qwen-7b", namespace="default", scalerMetadata={"model": self.model})
 
     def _up(self) -> bool:
         if self.proc.poll() is not None:
@@ -300,10 +342,22 @@ class GatewayPod:
 
     # -- what it reports
     def queue(self) -> dict:
+        """The model's queue page; a shared gateway's with the Pod-wide held-body figures (a per-model
+        gateway's page shows its Pod's, which is the same thing)."""
+        page = get(self.admin_port, "/noctaya/queue", timeout=10).json()
+        if not self.shared:
+            return page
+        return {**page["models"][self.model], "heldBytes": page["heldBytes"], "heldBytesLimit": page["heldBytesLimit"]}
+
+    def shared_queue(self) -> dict:
+        """A shared gateway's whole page (every model, the Pod's budget)."""
         return get(self.admin_port, "/noctaya/queue", timeout=10).json()
 
     def metrics(self) -> str:
-        return get(self.admin_port, "/metrics", timeout=10).body.decode()
+        """/metrics as the model's own gateway would show it: a shared gateway's series of this model
+        and of the Pod (model="") summed, without the label; other models' left out."""
+        text = get(self.admin_port, "/metrics", timeout=10).body.decode()
+        return model_view(text, self.model) if self.shared else text
 
     def histogram(self, name: str, labels: str) -> tuple[float, float]:
         """(count, sum) of one labelled histogram series on /metrics."""
@@ -317,8 +371,9 @@ class GatewayPod:
         return count, total
 
     def workers(self) -> list[int]:
-        return [p for p in tree(self.proc.pid)[1:] if b"scaler" not in cmdline(p)
-                and b"gateway" in cmdline(p)]
+        # By the module run (argv), not a substring of the whole command line: the interpreter's
+        # path may contain "scaler" (a checkout named so).
+        return [p for p in tree(self.proc.pid)[1:] if b"\0-m\0gateway" in cmdline(p)]
 
     def logs(self) -> str:
         try:
@@ -327,6 +382,8 @@ class GatewayPod:
             return ""
 
     def stop(self) -> str:
+        if self._table_dir is not None:
+            self._table_dir.cleanup()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -341,6 +398,26 @@ class GatewayPod:
         with contextlib.suppress(OSError):
             os.unlink(self._log.name)
         return logs
+
+
+def model_view(text: str, model: str) -> str:
+    """A shared gateway's exposition as one model's: samples of ``model`` and of ``model=""`` summed
+    per (name, other labels), the label dropped, comment lines kept."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: list[str] = []
+    for family in text_string_to_metric_families(text):
+        out.append(f"# TYPE {family.name} {family.type}")
+        sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for sample in family.samples:
+            if sample.labels.get("model") not in ("", model):
+                continue
+            labels = tuple((k, v) for k, v in sample.labels.items() if k != "model")
+            sums[(sample.name, labels)] = sums.get((sample.name, labels), 0.0) + sample.value
+        for (name, labels), value in sums.items():
+            rendered = ",".join(f'{k}="{v}"' for k, v in labels)
+            out.append(f"{name}{{{rendered}}} {value}" if labels else f"{name} {value}")
+    return "\n".join(out) + "\n"
 
 
 # -- raw HTTP over sockets ------------------------------------------------------------------------------
@@ -491,7 +568,10 @@ def get(port: int, path: str, *, timeout: float = 10, source: str | None = None)
     return response
 
 
-def chat(stream: bool = False, content: str = "hi", model: str = "m") -> bytes:
+def chat(stream: bool = False, content: str = "hi", model: str | None = None) -> bytes:
+    """A chat completion body naming the rendered model (what a shared gateway routes by; a per-model
+    gateway forwards any name)."""
+    model = model_name() if model is None else model
     return json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
                        "stream": stream}).encode()
 
@@ -500,13 +580,14 @@ def chat(stream: bool = False, content: str = "hi", model: str = "m") -> bytes:
 class ActiveStream:
     """A KEDA-like StreamIsActive reader against the gateway's local scaler: every value pushed."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, ref: pb.ScaledObjectRef = REF) -> None:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(self.channel).result(timeout=20)
         self.stub = pb_grpc.ExternalScalerStub(self.channel)
+        self.ref = ref
         self.values: list[tuple[float, bool]] = []
         self.opened = threading.Event()
-        self._call = self.stub.StreamIsActive(REF)
+        self._call = self.stub.StreamIsActive(ref)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -523,7 +604,7 @@ class ActiveStream:
         return any(v for _, v in self.values)
 
     def is_active(self) -> bool:
-        return self.stub.IsActive(REF, timeout=5).result
+        return self.stub.IsActive(self.ref, timeout=5).result
 
     def close(self) -> None:
         self._call.cancel()

@@ -20,8 +20,10 @@ __all__ = ["ThreadedGateway"]
 
 
 class ThreadedGateway:
-    def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster | None = None) -> None:
+    def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster | None = None,
+                 app_factory: Callable[[], Any] | None = None) -> None:
         self.config = config
+        self._app_factory = app_factory  # another app than one model's GatewayApp (a shared gateway)
         self.broadcaster = broadcaster or DemandBroadcaster()
         self.pod = PodState(1, config.max_queue, config.max_held_body_bytes)
         self.sampler = DemandSampler(self.pod, self.broadcaster, interval=0.05)
@@ -35,7 +37,7 @@ class ThreadedGateway:
     def _run(self) -> None:
         try:
             self._hub = gevent.get_hub()
-            app = GatewayApp(self.config, pod=self.pod)
+            app = self._app_factory() if self._app_factory else GatewayApp(self.config, pod=self.pod)
             listener = listen_socket(self.config.listen_host, self.config.listen_port, reuse_port=False)
             admin = listen_socket(self.config.listen_host, self.config.admin_port, reuse_port=False)
             self.server = GatewayServer(app, listener, max_connections=self.config.max_connections, admin_listener=admin)

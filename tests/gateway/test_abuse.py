@@ -13,6 +13,13 @@ many loopback source addresses. Every limit is exercised at the limit:
 - `/v1/models` never feeds the time-to-first-token histogram;
 - a client that hangs up after pipelining more bytes frees its slot within 2 s;
 - HTTP/1.0 connection semantics.
+
+Each of these runs twice (the ``shared`` fixture): against a per-model gateway and against a shared
+gateway (NOCTAYA_MODEL_TABLE_FILE) fronting the same model, with its settings as table fields, beside
+a second model; bodies name the rendered model. Not the worker SIGKILL test: a shared gateway is one
+process, with no worker to kill. Its own limits are tested besides: one model flooded at ten times its
+maxQueue takes none of another model's slots, and the Pod-wide held-body budget at its limit refuses
+any model's body (429 queue_full) and is free again once the held requests complete.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import pytest
 
 from gateway.policy import MAX_JSON_DEPTH
 from tests.gateway.abuse_harness import (
+    OTHER_MODEL,
     ActiveStream,
     GatewayPod,
     MemoryCgroup,
@@ -47,6 +55,7 @@ from tests.gateway.abuse_harness import (
     exchange,
     fake_cgroup_root,
     get,
+    model_name,
     no_demand,
     rendered_env,
     rendered_gateway_container,
@@ -56,6 +65,13 @@ from tests.gateway.abuse_harness import (
 from tests.gateway.fakebackend import FakeBackend
 
 pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(params=[False, True], ids=["per-model", "shared"])
+def shared(request: pytest.FixtureRequest) -> bool:
+    """Each test against a per-model gateway and against a shared gateway fronting the same model
+    (its table entry from the rendered settings) beside another model."""
+    return request.param
 
 DEADLINE = 2.0  # NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS in these tests
 TTFT = "noctaya_gateway_time_to_first_token_seconds"
@@ -100,11 +116,11 @@ def test_rendered_probes_target_the_admin_port() -> None:
 
 
 # -- 1. a public pool full of idle connections -------------------------------------------------------
-def test_a_public_pool_full_of_idle_connections_cannot_fail_the_probes() -> None:
+def test_a_public_pool_full_of_idle_connections_cannot_fail_the_probes(shared: bool) -> None:
     backend = FakeBackend()  # not started: the backend is scaled to zero
     max_connections = 64
     per_address = max_connections // 2  # the default cap: NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS not set
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_MAX_CONNECTIONS=str(max_connections),
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_MAX_CONNECTIONS=str(max_connections),
                      NOCTAYA_SCALER_MODE="off", NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS="60")
     held: list[socket.socket] = []
     flood: list[socket.socket] = []
@@ -237,13 +253,13 @@ def run_slowloris(port: int, attackers: list[Slow], until: float, stop: threadin
         time.sleep(0.02)
 
 
-def test_slowloris_heads_bodies_and_trailers_end_at_the_request_deadline() -> None:
+def test_slowloris_heads_bodies_and_trailers_end_at_the_request_deadline(shared: bool) -> None:
     backend = FakeBackend()  # cold
     max_queue = 4
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="2", NOCTAYA_MAX_QUEUE=str(max_queue),
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="2", NOCTAYA_MAX_QUEUE=str(max_queue),
                      NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS=str(DEADLINE), NOCTAYA_SCALER_MODE="local",
                      NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60")
-    stream = ActiveStream(pod.scaler_port)
+    stream = ActiveStream(pod.scaler_port, pod.ref)
     attackers = [a for i in range(24) for a in slow_kinds(f"127.0.0.{2 + i}")]  # many addresses
     attackers += [a for _ in range(6) for a in slow_kinds("127.0.0.100")]  # and one address
     legit: list[socket.socket] = []
@@ -305,10 +321,10 @@ def test_slowloris_heads_bodies_and_trailers_end_at_the_request_deadline() -> No
     assert "Traceback" not in logs
 
 
-def test_idle_connections_are_closed_silently_by_the_idle_timeout_not_the_request_deadline() -> None:
+def test_idle_connections_are_closed_silently_by_the_idle_timeout_not_the_request_deadline(shared: bool) -> None:
     backend = FakeBackend().start()
     idle, deadline = 3.0, 1.0
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
                      NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS=str(deadline), NOCTAYA_CLIENT_IDLE_TIMEOUT_SECONDS=str(idle))
     try:
         fresh = connect(pod.port)  # nothing sent: no request has begun, so its deadline does not run
@@ -337,10 +353,10 @@ def error_type(raw: bytes) -> str:
     return json.loads(raw[raw.index(b"\r\n\r\n") + 4:])["error"]["type"]
 
 
-def test_one_address_gets_exactly_its_connection_cap() -> None:
+def test_one_address_gets_exactly_its_connection_cap(shared: bool) -> None:
     backend = FakeBackend().start()
     cap = 8
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_MAX_CONNECTIONS="64",
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_MAX_CONNECTIONS="64",
                      NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS=str(cap), NOCTAYA_SCALER_MODE="off")
     open_: list[tuple[socket.socket, Reader]] = []
     try:
@@ -395,7 +411,9 @@ def _accepted(port: int, source: str, keep: list) -> bool:
 # -- 3. JSON bombs under a 256 MiB memory limit ----------------------------------------------------------
 LIMIT = 256 * MiB
 MAX_BODY = 8 * MiB
-_PREFIX = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"x":'
+# The rendered model's name: a shared gateway routes the bodies that are admitted by it.
+_PREFIX = (b'{"model":%s,"stream":true,"messages":[{"role":"user","content":"hi"}],"x":'
+           % json.dumps(model_name()).encode())
 
 
 def small_values(size: int) -> bytes:
@@ -437,14 +455,14 @@ def chunked_request(body: bytes, piece: int = 64 * 1024) -> bytes:
     return b"".join(out)
 
 
-def test_json_bombs_on_cold_streams_stay_under_256_mib_and_wake_nothing(tmp_path: Path) -> None:
+def test_json_bombs_on_cold_streams_stay_under_256_mib_and_wake_nothing(tmp_path: Path, shared: bool) -> None:
     cgroup = MemoryCgroup(LIMIT)
     backend = FakeBackend()  # cold
     pod = None
     try:
         # The gateway derives its held-body budget from the limit, as in a container with memory.max 256Mi
         # (the real cgroup, when there is one, also enforces it on the whole process tree).
-        pod = GatewayPod(backend.port, cgroup=cgroup if cgroup.available else None,
+        pod = GatewayPod(backend.port, shared=shared, cgroup=cgroup if cgroup.available else None,
                          NOCTAYA_CGROUP_ROOT=fake_cgroup_root(tmp_path / "cgroup", LIMIT),
                          NOCTAYA_SCALER_MODE="local", NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS="60",
                          NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="120")
@@ -455,7 +473,7 @@ def test_json_bombs_on_cold_streams_stay_under_256_mib_and_wake_nothing(tmp_path
             procs = (cgroup.path / "cgroup.procs").read_text().split()
             # One worker is the whole Pod: one process serves HTTP and KEDA's scaler (gateway.workers).
             assert str(pod.proc.pid) in procs and len(procs) == 1, procs
-        stream = ActiveStream(pod.scaler_port)
+        stream = ActiveStream(pod.scaler_port, pod.ref)
         wait_until(stream.opened.is_set, 10, "the first StreamIsActive value")
         ten_mib = small_values(10 * MiB)
         deep = nested(100_000)
@@ -651,9 +669,9 @@ def test_a_worker_killed_mid_hold_returns_its_bytes_at_once(tmp_path: Path) -> N
 
 
 # -- 5. /v1/models and the time-to-first-token histogram -------------------------------------------------
-def test_models_listing_never_feeds_time_to_first_token() -> None:
+def test_models_listing_never_feeds_time_to_first_token(shared: bool) -> None:
     backend = FakeBackend()  # cold at first
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
                      NOCTAYA_READY_GRACE_SECONDS="60", NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60")
     keep = connect(pod.port, timeout=30)
     reader = Reader(keep)
@@ -688,7 +706,10 @@ def test_models_listing_never_feeds_time_to_first_token() -> None:
         assert after_cold[0][0] == 1 and after_cold[1] == baseline[1], after_cold
         # Warm: the listing is forwarded, on fresh connections and on the one that carried the cold request.
         models_calls()
-        assert backend.requests_to("/v1/models")  # really forwarded now
+        if shared:  # a shared gateway lists its table, warm or cold: the backend is never asked
+            assert not backend.requests_to("/v1/models")
+        else:
+            assert backend.requests_to("/v1/models")  # really forwarded now
         assert ttft() == after_cold
         # A warm chat completion adds exactly one warm observation.
         assert exchange(pod.port, chat_request(chat())).status == 200
@@ -725,9 +746,10 @@ def test_models_listing_never_feeds_time_to_first_token() -> None:
     (b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n", 0.5, True),
     (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Le", 0.0, True),
 ], ids=["whole-fin", "whole-pause-fin", "partial-pause-fin", "whole-pause-rst", "partial-rst"])
-def test_a_hang_up_after_pipelined_bytes_frees_the_slot(pipelined: bytes, pause: float, reset: bool) -> None:
+def test_a_hang_up_after_pipelined_bytes_frees_the_slot(pipelined: bytes, pause: float, reset: bool,
+                                                      shared: bool) -> None:
     backend = FakeBackend()  # cold
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
                      NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60")
     try:
         sock = connect(pod.port, timeout=30)
@@ -757,9 +779,9 @@ class HTTP10Connection(http.client.HTTPConnection):
     _http_vsn_str = "HTTP/1.0"
 
 
-def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
+def test_http_1_0_closes_unless_asked_to_keep_alive(shared: bool) -> None:
     backend = FakeBackend()  # cold first, then warm
-    pod = GatewayPod(backend.port, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="1", NOCTAYA_SCALER_MODE="off",
                      NOCTAYA_READY_GRACE_SECONDS="60")
     try:
         def check(method: str, path: str, body: bytes | None, expect: int) -> None:
@@ -798,5 +820,126 @@ def test_http_1_0_closes_unless_asked_to_keep_alive() -> None:
         assert len(backend.requests_to("/v1/chat/completions")) == 1 + 4  # every one forwarded once
     finally:
         backend.stop()
+        logs = pod.stop()
+    assert "Traceback" not in logs
+
+
+# -- 8. a shared gateway: one model's flood, the Pod's held-body budget -------------------------------------
+def test_a_shared_gateway_keeps_one_models_flood_off_the_others_slots() -> None:
+    """The rendered model (a, cold, maxQueue 4) flooded at ten times its queue from many addresses: it
+    holds exactly 4 and refuses the rest 429 queue_full; meanwhile b (warm, maxQueue 4) serves 4
+    concurrent requests at once, all in flight together, and a's held requests complete when its
+    backend wakes."""
+    a_backend = FakeBackend()  # cold
+    b_backend = FakeBackend().start()
+    b_backend.response_delay = 1.0  # b's four requests overlap: all of b's slots in use at once
+    max_queue = 4
+    pod = GatewayPod(a_backend.port, shared=True, other_backend_port=b_backend.port, other_model={"maxQueue": 4},
+                     NOCTAYA_MAX_QUEUE=str(max_queue), NOCTAYA_SCALER_MODE="off",
+                     NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60", NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS="60")
+    flood: list[socket.socket] = []
+    try:
+        for i in range(10 * max_queue):
+            sock = connect(pod.port, f"127.0.5.{1 + i}", timeout=60)
+            sock.sendall(chat_request(chat(content=f"flood {i}")))
+            flood.append(sock)
+        readers = [Reader(s) for s in flood]
+        wait_until(lambda: pod.queue()["queued"] == max_queue, 10, "a's queue full")
+        refused, held = [], []
+        for reader in readers:
+            reader.sock.settimeout(1.0)
+            try:
+                refused.append(reader.response())
+            except TimeoutError:
+                held.append(reader)
+        assert len(held) == max_queue and len(refused) == 9 * max_queue, (len(held), len(refused))
+        for response in refused:
+            assert_error(response, 429, "queue_full")
+            assert response.headers.get("retry-after")
+        page = pod.shared_queue()["models"]
+        assert page[OTHER_MODEL]["queued"] == 0 and page[OTHER_MODEL]["inFlight"] == 0  # a took none of b's
+
+        results: list[Response | None] = [None] * 4
+        started = time.monotonic()
+
+        def ask_b(i: int) -> None:
+            results[i] = exchange(pod.port, chat_request(chat(model=OTHER_MODEL, content=f"b {i}")),
+                                  source=f"127.0.6.{1 + i}", timeout=30)
+
+        threads = [threading.Thread(target=ask_b, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: pod.shared_queue()["models"][OTHER_MODEL]["inFlight"] == 4, 5, "b's four in flight")
+        for t in threads:
+            t.join(30)
+        assert [r.status if r else None for r in results] == [200] * 4
+        assert time.monotonic() - started < 1.0 * 4  # together, not one after another
+        assert pod.queue()["queued"] == max_queue  # a still holds its own
+        a_backend.start()
+        for reader in held:
+            reader.sock.settimeout(30)
+            response = reader.response()
+            assert response is not None and response.status == 200, response
+        assert len(a_backend.requests_to("/v1/chat/completions")) == max_queue
+    finally:
+        for sock in flood:
+            sock.close()
+        a_backend.stop()
+        b_backend.stop()
+        logs = pod.stop()
+    assert "Traceback" not in logs
+
+
+def test_a_shared_gateways_held_body_budget_is_the_pods_at_its_limit() -> None:
+    """The held-body budget (3 MiB + 64 KiB) is one for the Pod: three cold 1 MiB bodies of a hold
+    3 MiB; a fourth, and b's body of the same size though b is warm, are refused 429 queue_full
+    (request bytes, Retry-After); b's 64 KiB body fits to the byte and is served, and one byte more
+    does not; once a's backend wakes and its bodies are answered, the budget is free again."""
+    a_backend = FakeBackend()  # cold
+    b_backend = FakeBackend().start()
+    budget = 3 * MiB + 64 * 1024
+    pod = GatewayPod(a_backend.port, shared=True, other_backend_port=b_backend.port,
+                     NOCTAYA_MAX_HELD_BODY_BYTES=str(budget), NOCTAYA_MAX_BODY_BYTES=str(MiB),
+                     NOCTAYA_SCALER_MODE="off", NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60",
+                     NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS="60")
+
+    def body(model: str, size: int) -> bytes:
+        doc = chat(model=model, content="")
+        return doc.replace(b'"content": ""', b'"content": "' + b"x" * (size - len(doc)) + b'"')
+
+    held: list[Reader] = []
+    try:
+        assert pod.queue()["heldBytesLimit"] == budget
+        big_a, big_b, small_b = body(pod.model, MiB), body(OTHER_MODEL, MiB), body(OTHER_MODEL, 64 * 1024)
+        one_more = body(OTHER_MODEL, 64 * 1024 + 1)
+        assert len(big_a) == len(big_b) == MiB and len(small_b) == 64 * 1024
+        for i in range(3):
+            sock = connect(pod.port, f"127.0.7.{1 + i}", timeout=60)
+            sock.sendall(chat_request(big_a))
+            held.append(Reader(sock))
+            wait_until(lambda i=i: pod.queue()["queued"] == i + 1, 10, f"a's body {i + 1} held")
+        assert pod.queue()["heldBytes"] == 3 * MiB
+        for raw in (big_a, big_b, one_more):
+            answer = exchange(pod.port, chat_request(raw), timeout=30)
+            error = assert_error(answer, 429, "queue_full", close=True)
+            assert "bytes" in error["message"] and answer.headers.get("retry-after"), error
+        assert not b_backend.requests_to("/v1/chat/completions")
+        served = exchange(pod.port, chat_request(small_b), timeout=30)  # fills the budget to the byte
+        assert served is not None and served.status == 200, served
+        assert len(b_backend.requests_to("/v1/chat/completions")) == 1
+        assert pod.queue()["heldBytes"] == 3 * MiB and pod.queue()["queued"] == 3
+        a_backend.start()
+        for reader in held:
+            response = reader.response()
+            assert response is not None and response.status == 200, response
+        wait_until(lambda: pod.queue()["heldBytes"] == 0, 5, "the budget freed on completion")
+        for raw in (big_b, small_b, big_a):
+            response = exchange(pod.port, chat_request(raw), timeout=30)
+            assert response is not None and response.status == 200, response
+    finally:
+        for reader in held:
+            reader.sock.close()
+        a_backend.stop()
+        b_backend.stop()
         logs = pod.stop()
     assert "Traceback" not in logs

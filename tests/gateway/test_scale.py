@@ -208,7 +208,8 @@ def test_two_workers_share_one_max_queue_and_keda_sees_one_figure() -> None:
     streams = Streams()
     try:
         workers = children(gw.proc.pid)
-        assert len([p for p in workers if b"scaler" not in Path(f"/proc/{p}/cmdline").read_bytes()]) == 2
+        # The scaler child by its module (argv), not "scaler" anywhere: the checkout's path may contain it.
+        assert len([p for p in workers if b"\0-m\0scaler" not in Path(f"/proc/{p}/cmdline").read_bytes()]) == 2
         # A flood of 10 x maxQueue cold requests, all at once, on separate connections.
         replies: list[bytes] = []
         lock = threading.Lock()
@@ -249,7 +250,7 @@ def test_two_workers_share_one_max_queue_and_keda_sees_one_figure() -> None:
             assert stub.IsActive(REF, timeout=5).result is True
         # A held request survives its peer worker being stuck: stop one worker, wake the backend,
         # the other worker's held requests are answered.
-        stuck = workers[0] if b"scaler" not in Path(f"/proc/{workers[0]}/cmdline").read_bytes() else workers[1]
+        stuck = workers[0] if b"\0-m\0scaler" not in Path(f"/proc/{workers[0]}/cmdline").read_bytes() else workers[1]
         stuck_index = next(i for i, w in enumerate(q["perWorker"]) if w["pid"] == stuck)
         others = max_queue - q["perWorker"][stuck_index]["queued"]
         os.kill(stuck, signal.SIGSTOP)

@@ -180,6 +180,27 @@ def test_key_file_is_reread_and_compared_exactly(tmp_path) -> None:
     assert not auth.check("Bearer ")
 
 
+def test_any_of_several_key_files_opens_and_a_broken_one_opens_nothing(tmp_path, caplog) -> None:
+    files = [tmp_path / f"key{i}" for i in range(16)]
+    for i, path in enumerate(files):
+        path.write_text(f"team-{i}\n")
+    auth = KeyFileAuthenticator([str(p) for p in files])
+    assert all(auth.check(f"Bearer team-{i}") for i in range(16))
+    assert not auth.check("Bearer team-16") and not auth.check("Bearer ") and not auth.check("team-0")
+    files[3].unlink()
+    files[4].write_text("")
+    files[5].write_text("x" * 5000)  # over the 4096-byte bound
+    assert not any(auth.check(f"Bearer team-{i}") for i in (3, 4, 5))  # each fails closed on its own
+    assert auth.check("Bearer team-6")  # the others still open
+    assert "team-" not in caplog.text  # paths only, never a key
+    files[3].write_text("rotated")
+    assert auth.check("Bearer rotated") and not auth.check("Bearer team-3")
+    with pytest.raises(ValueError):
+        KeyFileAuthenticator([str(p) for p in files] + [str(tmp_path / "17th")])
+    with pytest.raises(ValueError):
+        KeyFileAuthenticator([])
+
+
 # -- error shapes --------------------------------------------------------------------------------
 
 

@@ -256,6 +256,35 @@ def prewarm_staged() -> tuple[str, dict]:
                        "conditions": [{"type": "Complete", "status": "True"}]})
 
 
+# A member of the shared gateway `chat` (spec.endpoint.gateway), serving "qwen-7b".
+def _member(**status: Any) -> dict:
+    return h.llmservice(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct", "servedName": "qwen-7b"},
+                        endpoint={"gateway": "chat", "maxQueue": 20, "coldRequestMode": "reject"}, **status)
+
+
+_CHAT = h.llmgateway("chat", models=[{"name": "qwen-7b", "service": "qwen"}])
+
+
+def shared_member_ready() -> tuple[str, dict]:
+    first = sync.sync(h.sync_request(_member(), gateways=[_CHAT]), h.config())
+    observed = [h.as_observed(c, i, replicas=1, readyReplicas=1) if c["kind"] == "Deployment" else h.as_observed(c, i)
+                for i, c in enumerate(first["children"])]
+    return "sync", h.sync_request(_member(status=first["status"]), children=observed, gateways=[_CHAT],
+                                  pods=[h.pod("qwen-backend-7d9f-abcde", ready=True)])
+
+
+def shared_member_gateway_missing() -> tuple[str, dict]:
+    return "sync", h.sync_request(_member(), gateways=[])
+
+
+def decorator_shared_member() -> tuple[str, dict]:
+    return "autoscaling.sync", h.decorator_request(_member())
+
+
+def customize_shared_member() -> tuple[str, dict]:
+    return "customize", {"controller": {"metadata": {"name": "noctaya-llmservice"}}, "parent": _member()}
+
+
 CASES: dict[str, Callable[[], tuple[str, dict]]] = {
     "cold-single-gateway": cold_single_gateway,
     "multi-gateway": multi_gateway,
@@ -292,4 +321,8 @@ CASES: dict[str, Callable[[], tuple[str, dict]]] = {
     "runtime-rejected": runtime_rejected,
     "prewarm-running": prewarm_running,
     "prewarm-staged": prewarm_staged,
+    "shared-member-ready": shared_member_ready,
+    "shared-member-gateway-missing": shared_member_gateway_missing,
+    "decorator-shared-member": decorator_shared_member,
+    "customize-shared-member": customize_shared_member,
 }

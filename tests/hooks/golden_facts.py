@@ -218,6 +218,37 @@ def _prewarm_staged(a: Answer) -> None:
     assert "HF_TOKEN" not in env
 
 
+# A member of the LLMGateway `chat`: no gateway children of its own, the shared URL and scaler.
+MEMBER_CHILDREN = {("Deployment", "qwen-backend"), ("Service", "qwen-backend"), ("PersistentVolumeClaim", "qwen-cache")}
+SHARED_URL = "http://chat-llmgw.models.svc.cluster.local/v1"
+
+
+def _shared_member_ready(a: Answer) -> None:
+    assert kids(a) == MEMBER_CHILDREN
+    assert a["status"]["endpoint"] == SHARED_URL
+    assert cond(a, "GatewayReady") == "True/Available" and cond(a, "Ready") == "True/Ready"
+    assert "chat-llmgwscaler.models.svc.cluster.local:9090" in next(
+        c["message"] for c in a["status"]["conditions"] if c["type"] == "AutoscalingReady")
+
+
+def _shared_member_gateway_missing(a: Answer) -> None:
+    assert kids(a) == MEMBER_CHILDREN
+    assert a["status"]["endpoint"] == SHARED_URL
+    assert cond(a, "GatewayReady") == "False/GatewayNotFound" and cond(a, "Ready").startswith("False/")
+
+
+def _decorator_shared_member(a: Answer) -> None:
+    (so,) = a["attachments"]
+    assert so["spec"]["triggers"][0]["metadata"] == {
+        "scalerAddress": "chat-llmgwscaler.models.svc.cluster.local:9090", "targetPerReplica": "10", "model": "qwen-7b"}
+
+
+def _customize_shared_member(a: Answer) -> None:
+    _customize(a)
+    assert {"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "llmgateways", "namespace": "models",
+            "names": ["chat"]} in a["relatedResources"]
+
+
 FACTS: dict[str, Callable[[Answer], None]] = {
     "cold-single-gateway": _cold_single_gateway,
     "multi-gateway": _multi_gateway,
@@ -248,4 +279,8 @@ FACTS: dict[str, Callable[[Answer], None]] = {
     "runtime-rejected": _runtime("False/InvalidSpec"),
     "prewarm-running": _prewarm_running,
     "prewarm-staged": _prewarm_staged,
+    "shared-member-ready": _shared_member_ready,
+    "shared-member-gateway-missing": _shared_member_gateway_missing,
+    "decorator-shared-member": _decorator_shared_member,
+    "customize-shared-member": _customize_shared_member,
 }

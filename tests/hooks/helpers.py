@@ -80,6 +80,22 @@ def llmservice(name: str = "qwen", generation: int = 1, status: dict | None = No
     return obj
 
 
+def llmgateway(name: str = "chat", ready: str | None = "True", models: list[dict] | None = None,
+               reason: str = "Available", message: str = "1/1 gateways available") -> dict:
+    """An LLMGateway as its controller reports it: status.url, status.models ({name: served model,
+    service: LLMService}) and the Ready condition (none when `ready` is None)."""
+    status: dict[str, Any] = {
+        "url": f"http://{name}-llmgw.{NAMESPACE}.svc.cluster.local/v1",
+        "models": [{"name": "qwen", "service": "qwen"}] if models is None else models,
+    }
+    if ready is not None:
+        status["conditions"] = [{"type": "Ready", "status": ready, "reason": reason, "message": message,
+                                 "lastTransitionTime": FIXED_TIME}]
+    return {"apiVersion": "serving.noctaya.io/v1alpha1", "kind": "LLMGateway",
+            "metadata": {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}", "generation": 1},
+            "spec": {}, "status": status}
+
+
 def _keyed(objs: list[dict], cluster_scoped: bool = False) -> dict[str, dict]:
     out = {}
     for o in objs:
@@ -97,6 +113,7 @@ def sync_request(
     pods: list[dict] | None = None,
     secrets: list[dict] | None = None,
     finalizing: bool = False,
+    gateways: list[dict] | None = None,
 ) -> dict:
     groups: dict[str, dict] = {g: {} for g in CHILD_GROUPS}
     for child in children or []:
@@ -108,6 +125,8 @@ def sync_request(
     }
     if secrets is not None:
         related["Secret.v1"] = _keyed(secrets)
+    if gateways is not None:  # what customize relates for a member of a shared gateway (endpoint.gateway)
+        related["LLMGateway.serving.noctaya.io/v1alpha1"] = _keyed(gateways)
     return {
         "controller": {"apiVersion": "metacontroller.k8s.io/v1alpha1", "kind": "CompositeController", "metadata": {"name": "noctaya-llmservice"}},
         "parent": parent,

@@ -24,6 +24,7 @@ KINDS = {
     ("v1", "PersistentVolumeClaim"): "V1PersistentVolumeClaim",
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
     ("batch/v1", "Job"): "V1Job",
+    ("v1", "ConfigMap"): "V1ConfigMap",  # an LLMGateway's routing table
 }
 _PRIMITIVES = {"str": str, "int": int, "bool": bool, "float": (int, float), "bytes": str, "datetime": str}
 

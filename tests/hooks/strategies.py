@@ -103,6 +103,9 @@ def runtime_objects(draw: st.DrawFn, name: str, labels: dict[str, str], priority
     return obj
 
 
+SHARED_GATEWAY = "shared"  # the LLMGateway a generated member joins
+
+
 @st.composite
 def scenarios(draw: st.DrawFn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A valid LLMService and the runtimes related to it (exactly one resolvable)."""
@@ -153,10 +156,14 @@ def scenarios(draw: st.DrawFn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "coldRequestMode": draw(st.sampled_from(["keepalive", "reject"])),
         "service": {"type": draw(st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"]))},
     }
-    if draw(st.booleans()):
+    # A quarter are members of a shared gateway, which take no auth or scaler TLS and one replica.
+    member = draw(st.sampled_from([False, False, False, True]))
+    if member:
+        endpoint.update(gateway=SHARED_GATEWAY, replicas=1)
+    if not member and draw(st.booleans()):
         endpoint["auth"] = {"secretRef": {"name": "client-keys", "key": "key"}}
     spec["endpoint"] = endpoint
-    if draw(st.booleans()):
+    if not member and draw(st.booleans()):
         spec["scalerTLS"] = {"secretName": "scaler-tls", "triggerAuthentication": "keda-scaler-tls"}
     service = {
         "apiVersion": "serving.noctaya.io/v1alpha1",

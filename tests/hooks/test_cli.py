@@ -173,11 +173,11 @@ def test_render_examples_directories_like_make_render(tmp_path: Path) -> None:
     key_file = tmp_path / "token-key"
     key_file.write_bytes(b"render-test-token-key-0123456789")
     env = {"NOCTAYA_TOKEN_KEY_FILE": str(key_file)}
-    result = run_cli("render", "examples/runtimes", "examples/models", env_extra=env)
+    result = run_cli("render", "examples/runtimes", "examples/models", "examples/gateways", env_extra=env)
     assert result.returncode == 0, result.stderr
     rendered = list(yaml.safe_load_all(result.stdout))
     kinds = {doc["kind"] for doc in rendered}
     assert {"Deployment", "Service", "ScaledObject"} <= kinds
     assert all(doc["metadata"].get("name") for doc in rendered)
     # Offline rendering is deterministic: a second run prints the same bytes.
-    assert run_cli("render", "examples/runtimes", "examples/models", env_extra=env).stdout == result.stdout
+    assert run_cli("render", "examples/runtimes", "examples/models", "examples/gateways", env_extra=env).stdout == result.stdout

@@ -47,3 +47,13 @@ def test_label_rules() -> None:
     value = lb.label_value(long)
     assert lb.is_valid_label_value(value) and value == lb.label_value(long) and value != lb.label_value(long + "x")
     assert lb.label_value("qwen") == "qwen"
+
+
+def test_no_child_suffix_is_the_tail_of_another_so_llmservices_and_llmgateways_never_share_a_child_name():
+    suffixes = [names.BACKEND, names.GATEWAY, names.SCALER, names.AGGREGATOR, names.SCALER_TOKEN, names.CACHE,
+                names.SHARED_GATEWAY, names.SHARED_SCALER, names.SHARED_AGGREGATOR, names.SHARED_TOKEN,
+                names.SHARED_ROUTES]
+    for a in suffixes:
+        for b in suffixes:
+            assert a == b or not f"-{a}".endswith(f"-{b}"), (a, b)
+    assert names.shared_gateway("chat") == "chat-llmgw" and names.shared_scaler("chat") == "chat-llmgwscaler"

@@ -11,14 +11,22 @@ from hooks.controller import autoscaling, sync
 from hooks.resources import labels as lb
 from hooks.resources import names
 from tests.hooks import helpers as h
-from tests.hooks.strategies import scenarios
+from tests.hooks.strategies import SHARED_GATEWAY, scenarios
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
 def _request(service: dict, runtimes: list[dict], children: list[dict] | None = None) -> dict:
-    req = h.sync_request(service, runtimes=runtimes, children=children)
     ns = service["metadata"]["namespace"]
+    gateways = None
+    if isinstance(service["spec"], dict) and service["spec"]["endpoint"].get("gateway"):
+        # A member's LLMGateway, Ready and listing it, as customize relates it.
+        name = service["metadata"]["name"]
+        gateway = h.llmgateway(SHARED_GATEWAY, models=[{"name": service["spec"]["model"].get("servedName", name),
+                                                       "service": name}])
+        gateway["metadata"]["namespace"] = ns
+        gateways = [gateway]
+    req = h.sync_request(service, runtimes=runtimes, children=children, gateways=gateways)
     for group in req["children"].values():
         for key in list(group):
             obj = group.pop(key)
@@ -98,9 +106,15 @@ def test_children_are_safe(scenario: tuple[dict, list[dict]]) -> None:
         key = (child["kind"], meta["name"])
         assert key not in keys, f"duplicate child {key}"
         keys.add(key)
-    # The public Service never exposes the gRPC scaler.
-    public = next(c for c in children if c["kind"] == "Service" and c["metadata"]["name"] == names.public_service(service["metadata"]["name"]))
-    assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
+    if service["spec"]["endpoint"].get("gateway"):
+        # A member of a shared gateway has none of its own; the LLMGateway's answers for it.
+        assert not any(c["metadata"]["labels"][lb.COMPONENT] in (lb.GATEWAY, lb.SCALER, lb.AGGREGATOR) for c in children)
+        assert answer["status"]["endpoint"].startswith(f"http://{names.shared_gateway(SHARED_GATEWAY)}.")
+    else:
+        # The public Service never exposes the gRPC scaler.
+        public = next(c for c in children if c["kind"] == "Service"
+                      and c["metadata"]["name"] == names.public_service(service["metadata"]["name"]))
+        assert [p["name"] for p in public["spec"]["ports"]] == ["http"]
     # No Secret data anywhere in status.
     assert "data" not in json.dumps(answer["status"])
 

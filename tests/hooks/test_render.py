@@ -105,12 +105,17 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 @pytest.mark.skipif(not (EXAMPLES / "models").is_dir(), reason="examples/ not present")
 def test_render_the_examples() -> None:
     docs: list[dict] = []
-    for folder in ("runtimes", "models"):
+    for folder in ("runtimes", "models", "gateways"):
         for path in sorted((EXAMPLES / folder).glob("*.yaml")):
             docs.extend(d for d in yaml.safe_load_all(path.read_text()) if isinstance(d, dict))
     rendered = render_documents(docs, h.config())
     services = [d for d in docs if d.get("kind") == "LLMService"]
     assert len([o for o in rendered if o["kind"] == "ScaledObject"]) == len(services)
+    # Each LLMGateway: its Deployment and a routing table with every member of the example.
+    for gateway in (d for d in docs if d.get("kind") == "LLMGateway"):
+        (table,) = [o for o in rendered if o["kind"] == "ConfigMap" and o["metadata"]["name"] == f"{gateway['metadata']['name']}-llmgwroutes"]
+        members = [s for s in services if s["spec"].get("endpoint", {}).get("gateway") == gateway["metadata"]["name"]]
+        assert len(json.loads(table["data"]["models.json"])["models"]) == len(members) >= 3
     for obj in rendered:
         problems = schemas.openapi_problems(obj, schemas.load_crd_schema()) if obj["kind"] == "ScaledObject" else schemas.child_problems(obj)
         assert problems == [], (obj["kind"], obj["metadata"]["name"])

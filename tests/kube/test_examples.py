@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import REJECTION_REASONS, GatewayMetrics
 from hooks.api import InferenceRuntime, LLMService
+from hooks.api.llmgateway import LLMGateway
 from hooks.metrics import HookMetrics
 from tests.kube.manifests import EXAMPLES_DIR, example_documents, load_documents
 
@@ -30,6 +31,19 @@ def _id(item: tuple[Path, dict[str, Any]]) -> str:
 def test_llmservice_example_parses_with_the_model(item: tuple[Path, dict[str, Any]]) -> None:
     _path, doc = item
     LLMService.model_validate({**doc, "metadata": {**doc["metadata"], "namespace": "examples"}})
+
+
+@pytest.mark.parametrize("item", example_documents("LLMGateway"), ids=_id)
+def test_llmgateway_example_parses_and_its_members_and_key_scopes_are_in_the_same_file(
+        item: tuple[Path, dict[str, Any]]) -> None:
+    path, doc = item
+    gateway = LLMGateway.model_validate({**doc, "metadata": {**doc["metadata"], "namespace": "examples"}})
+    members = [LLMService.model_validate({**d, "metadata": {**d["metadata"], "namespace": "examples"}})
+               for d in load_documents(path) if d.get("kind") == "LLMService"]
+    served = {m.served_name for m in members if m.spec.endpoint.gateway == gateway.metadata.name}
+    assert len(served) >= 3, f"{path.name}: an LLMGateway example shows several models behind one endpoint"
+    for key in gateway.spec.api_keys:
+        assert set(key.models) <= served, f"{path.name}: a key scoped to a model the example does not define"
 
 
 @pytest.mark.parametrize("item", example_documents("InferenceRuntime"), ids=_id)

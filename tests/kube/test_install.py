@@ -29,7 +29,7 @@ def get_json(kube: ControlPlane, *args: str) -> dict[str, Any]:
 
 def test_noctaya_crds_are_established_and_structural(kube: ControlPlane, noctaya_crds: list[str]) -> None:
     assert sorted(noctaya_crds) == ["acceleratorpools.serving.noctaya.io", "inferenceruntimes.serving.noctaya.io",
-                                    "llmservices.serving.noctaya.io"]
+                                    "llmgateways.serving.noctaya.io", "llmservices.serving.noctaya.io"]
     for name in noctaya_crds:
         crd = get_json(kube, "crd", name)
         conditions = {c["type"]: c for c in crd["status"]["conditions"]}
@@ -52,6 +52,8 @@ def test_metacontroller_kustomization_installs_everything(installed: ControlPlan
         "compositecontroller.metacontroller.k8s.io/noctaya-inferenceruntime",
         "compositecontroller.metacontroller.k8s.io/noctaya-acceleratorpool",
         "customresourcedefinition.apiextensions.k8s.io/acceleratorpools.serving.noctaya.io",
+        "compositecontroller.metacontroller.k8s.io/noctaya-llmgateway",
+        "customresourcedefinition.apiextensions.k8s.io/llmgateways.serving.noctaya.io",
         "decoratorcontroller.metacontroller.k8s.io/noctaya-llmservice-autoscaling",
         "deployment.apps/noctaya-hooks",
         "service/noctaya-hooks",
@@ -171,6 +173,10 @@ METACONTROLLER_NEEDS = [
     ("update", "llmservices.serving.noctaya.io/status"),
     ("update", "inferenceruntimes.serving.noctaya.io/status"),
     ("list", "inferenceruntimes.serving.noctaya.io"),
+    ("watch", "llmgateways.serving.noctaya.io"),
+    ("update", "llmgateways.serving.noctaya.io"),
+    ("update", "llmgateways.serving.noctaya.io/status"),
+    ("update", "llmgateways.serving.noctaya.io/finalizers"),
     *[
         (verb, resource)
         for resource in (
@@ -181,6 +187,7 @@ METACONTROLLER_NEEDS = [
             "persistentvolumeclaims",
             "jobs.batch",
             "scaledobjects.keda.sh",
+            "configmaps",
         )
         for verb in ("create", "update", "patch", "delete", "watch")
     ],
@@ -206,7 +213,8 @@ def test_rbac_lets_metacontroller_manage_noctaya_types(installed: ControlPlane, 
         ("delete", "nodes"),
         ("create", "clusterroles.rbac.authorization.k8s.io"),
         ("delete", "pods"),
-        ("get", "configmaps"),
+        # configmaps are an LLMGateway's children (its model table) now; ServiceAccounts are nobody's.
+        ("get", "serviceaccounts"),
     ],
 )
 def test_rbac_grants_nothing_beyond_noctaya_needs(installed: ControlPlane, verb: str, resource: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -119,3 +120,14 @@ def open_stub() -> Iterator[Callable[[int], pb_grpc.ExternalScalerStub]]:
     yield open_
     for channel in channels:
         channel.close()
+
+
+REPORT_TOKEN = "reporter-token-0123456789"
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    """A demand-report token file holding REPORT_TOKEN."""
+    path = tmp_path / "token"
+    path.write_text(REPORT_TOKEN)
+    return path

@@ -10,20 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from scaler.aggregator import Aggregator, AggregatorSettings
+from scaler.aggregator import MAX_REPORT_MODELS, Aggregator, AggregatorSettings
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.reporter import DemandReporter
 
+from .conftest import REPORT_TOKEN as TOKEN
 from .conftest import wait_until
-
-TOKEN = "reporter-token-0123456789"
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN)
-    return path
 
 
 @pytest.fixture
@@ -239,3 +231,48 @@ def test_a_token_rotation_loses_no_report_whichever_pod_sees_it_first(tmp_path: 
     finally:
         reporter.stop(withdraw=False)
         agg.stop()
+
+
+def test_a_per_model_gateways_report_is_unchanged_on_the_wire(token_file) -> None:
+    """Without models (a per-model gateway) the body is what it always was, byte for byte (what
+    requests' json= produced); with models it adds only the ``models`` object."""
+    import json
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    bodies: list[bytes] = []
+
+    class Capture(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.headers["Content-Type"] == "application/json"
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Capture)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = f"http://127.0.0.1:{server.server_port}/v1/report"
+        flat = DemandReporter(target, str(token_file), DemandBroadcaster(Demand(2, 1, True)), member_id="m1")
+        assert flat._post(Demand(2, 1, True))
+        assert bodies[-1] == json.dumps({"member": "m1", "seq": 1, "queued": 2, "inFlight": 1, "leaseActive": True,
+                                         "withdraw": False}).encode()
+        demands = {"a": Demand(1, 0, True), "idle": Demand(), "ü": Demand(0, 2, False)}
+        shared = DemandReporter(target, str(token_file), DemandBroadcaster(), member_id="m2",
+                                models=lambda: demands)
+        assert shared._post(Demand(1, 2, True))
+        sent = json.loads(bodies[-1])
+        assert sent["models"] == {"a": {"queued": 1, "inFlight": 0, "leaseActive": True},
+                                  "ü": {"queued": 0, "inFlight": 2, "leaseActive": False}}  # idle ones left out
+        assert "ü".encode() in bodies[-1]  # UTF-8 as it is, not \\u escapes
+        assert shared._post(Demand(), withdraw=True) and json.loads(bodies[-1])["models"] == {}
+        # Bounded by the aggregator's limit even while models a reload removed still finish requests.
+        demands = {f"m{i}": Demand(1, 0, False) for i in range(MAX_REPORT_MODELS + 40)}
+        assert shared._post(Demand(300, 0, False))
+        assert len(json.loads(bodies[-1])["models"]) == MAX_REPORT_MODELS
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,351 @@
+"""The handler of a shared gateway: one OpenAI endpoint for the models of a model table.
+
+Routing by the body's top-level ``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models``
+listing the models whether cold or warm (answered here: listing wakes nothing), only those the
+caller's key opens; 404 ``model_not_found`` for a model not in the table (or one the caller's key
+does not open, on ``/v1/models/<id>``); one Pod-wide held-body budget; per model everything the
+per-model gateway has (its own ``GatewayApp``: admission and ``maxQueue``, activation lease,
+readiness prober, cold modes, upstream pool); API keys per model (``authKeyFile`` or
+``authKeyFiles``: a model's keys open that model only); ``/metrics`` with a ``model`` label;
+``/noctaya/queue`` per model; reloading (:meth:`apply`). docs/architecture.md, "Shared gateway model
+table".
+
+The connection layer (``gateway.server``) and the drain (``gateway.drain``) drive this app exactly
+as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``connection_refused``,
+``start_draining``, ``admitted``, ``waiting``, ``abort_waiters``, ``withdraw``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from urllib.parse import unquote
+
+import gevent
+
+from gateway import metrics as metrics_module
+from gateway.auth import bearer_token
+from gateway.config import GatewayConfig
+from gateway.filewatch import DirectoryWatch, watch_directory
+from gateway.jsonscan import InvalidJSON, inspect_json_body
+from gateway.metrics import GatewayMetrics
+from gateway.modeltable import ModelTable, ModelTableFile, TableChange
+from gateway.policy import MAX_JSON_DEPTH, is_json, route
+from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error
+from gateway.server import (
+    ClientBodyError,
+    ClientConnection,
+    ClientGone,
+    HeldBytesExhausted,
+    RequestBodyTooLarge,
+)
+from gateway.state.admission import HeldBytesBudget
+from gateway.state.models import ModelDemand
+from gateway.state.pod import PodState
+from gateway.timing import produces_tokens
+from gateway.wire import RequestHead
+
+__all__ = ["SharedGatewayApp", "RELOAD_SECONDS", "WATCHED_RELOAD_SECONDS"]
+
+log = logging.getLogger("noctaya.gateway")
+
+# How often the mounted table is checked (one stat) where its directory cannot be watched (and how
+# soon retired models are looked at while they finish). The kubelet itself takes up to a minute to
+# update a ConfigMap volume, so a few seconds more cost nothing.
+RELOAD_SECONDS = 5.0
+# With an inotify watch on the table's directory a change wakes the gateway at once; the check then
+# runs only this often besides, as a bound on what a missed event (a replaced directory) could cost.
+WATCHED_RELOAD_SECONDS = 60.0
+
+
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "noctaya"}
+
+
+class _Families:
+    """A collector of metric families already built."""
+
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self) -> list:
+        return self._families
+
+
+class _BearerPresent:
+    @staticmethod
+    def check(authorization: bytes | None) -> bool:
+        scheme, _, token = (authorization or b"").partition(b" ")
+        return scheme.lower() == b"bearer" and bool(token.strip())
+
+
+_BEARER_PRESENT = _BearerPresent()
+
+
+class SharedGatewayApp(AnswersHere):
+    """Construct inside the hub thread that will serve it (like ``GatewayApp``)."""
+
+    def __init__(self, config: GatewayConfig, table: ModelTable, *, table_file: ModelTableFile | None = None,
+                 demand: ModelDemand | None = None, reload_seconds: float = RELOAD_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.demand = demand  # each model's demand for the scaler (None: not published, tests)
+        self.table_file = table_file
+        self.reload_seconds = reload_seconds
+        self._reported: str | None = None
+        self.config = config
+        self.clock = clock
+        self.draining = False
+        self.metrics = GatewayMetrics()  # Pod-level answers: unknown model, bad requests, refusals
+        self.budget = HeldBytesBudget(config.max_held_body_bytes)
+        # Per model: its own slots, lease, prober and pool. Held bytes count against the Pod's budget.
+        self.table = table
+        self.apps: dict[str, GatewayApp] = {name: self._new_app(model) for name, model in table.models.items()}
+        self._listing = self._list()
+        self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
+        # Apps of models removed or changed by a new table: they finish what they admitted, then close.
+        self._retiring: list[GatewayApp] = []
+        self._tasks: dict[int, list[gevent.Greenlet]] = {}  # id(app) -> its background greenlets
+        self._serving = False
+
+    def _new_app(self, model: GatewayConfig) -> GatewayApp:
+        name = model.served_model_name
+        pod = self.demand.pod_for(name, model.max_queue) if self.demand else PodState(1, model.max_queue, None)
+        return GatewayApp(model, pod=pod, clock=self.clock)
+
+    def _close(self, app: GatewayApp) -> None:
+        for greenlet in self._tasks.pop(id(app), []):
+            greenlet.kill(block=False)
+        app.close()
+        if self.demand is not None:
+            name = app.config.served_model_name
+            self.demand.release(name, app.pod, listed=self.apps.get(name) not in (None, app))
+
+    def _list(self) -> bytes:
+        return json.dumps({"object": "list", "data": [_model_object(n) for n in self.apps]}).encode()
+
+    @property
+    def _before_body(self) -> _BearerPresent | None:
+        """The key check before the body names its model: none while some model takes requests
+        without a key; else a bearer token must be there (which model's key it is, is checked once
+        the model is known: checking every model's key file here would read up to 256 files)."""
+        if not self._all_keyed:
+            return None
+        return _BEARER_PRESENT
+
+    @property
+    def _all_keyed(self) -> bool:
+        return bool(self.apps) and all(app.auth is not None for app in self.apps.values())
+
+    def _visible(self, authorization: bytes | None) -> list[str]:
+        """The models this caller may see: those without keys, and those its bearer key opens.
+        Each key file is read once per request, however many models share it (up to 256 models of
+        16 files: a listing's cost is bounded by the table, and it is a rare call)."""
+        presented = bearer_token(authorization)
+        read: dict[str, bytes | None] = {}
+        return [name for name, app in self.apps.items()
+                if app.auth is None or (presented is not None and app.auth.opens(presented, read))]
+
+    # -- membership ----------------------------------------------------------------------------------
+    def apply(self, table: ModelTable) -> TableChange:
+        """Serve ``table`` from the next request on (call in the hub thread). An added model starts
+        cold; a removed one is answered ``model_not_found`` from now on; a changed one gets a new app.
+        The old apps of removed and changed models finish every request they admitted (held cold
+        requests included) and close once they have none; other models are not touched."""
+        change = self.table.diff(table)
+        for name in (*change.removed, *change.changed):
+            self._retiring.append(self.apps.pop(name))
+        for name in (*change.added, *change.changed):
+            app = self.apps[name] = self._new_app(table.models[name])
+            if self._serving:
+                self._start(app)
+        # Keep the table's order (the listing's).
+        self.apps = {name: self.apps[name] for name in table.models}
+        self.table = table
+        self._listing = self._list()
+        self.reap()
+        return change
+
+    def reap(self) -> None:
+        """Close retired apps that have nothing admitted any more."""
+        still = []
+        for app in self._retiring:
+            if app.admitted:
+                still.append(app)
+                continue
+            self._close(app)
+        self._retiring = still
+
+    def _start(self, app: GatewayApp) -> None:
+        self._tasks[id(app)] = [gevent.spawn(task) for task in app.background()]
+
+    # -- lifecycle (see the module docstring) ------------------------------------------------------
+    def background(self) -> list[Callable[[], None]]:
+        return [self._run]
+
+    def _run(self) -> None:
+        """Every model's background tasks, and (with a table file) its reloads."""
+        self._serving = True
+        for app in self.apps.values():
+            self._start(app)
+        if self.table_file is None:
+            return
+        watch = watch_directory(os.path.dirname(os.path.abspath(self.table_file.path)))
+        try:
+            while True:
+                self._wait_for_table(watch)
+                self._reload()
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _wait_for_table(self, watch: DirectoryWatch | None) -> None:
+        if watch is None:
+            gevent.sleep(self.reload_seconds)
+        else:  # retired models are looked at again soon: they close once their requests are done
+            watch.wait(self.reload_seconds if self._retiring else max(self.reload_seconds, WATCHED_RELOAD_SECONDS))
+
+    def _reload(self) -> None:
+        assert self.table_file is not None
+        table = self.table_file.poll()
+        if table is not None:
+            change = self.apply(table)
+            log.info("model table reloaded", extra={"added": list(change.added), "removed": list(change.removed),
+                                                    "changed": list(change.changed)})
+        elif self.table_file.error is not None and self.table_file.error != self._reported:
+            log.error("model table refused; the last good one stays", extra={"error": self.table_file.error})
+        self._reported = self.table_file.error
+        self.reap()
+
+    def close(self) -> None:
+        for app in [*self.apps.values(), *self._retiring]:
+            self._close(app)
+
+    def start_draining(self) -> None:
+        super().start_draining()
+        for app in self.apps.values():
+            app.start_draining()
+
+    @property
+    def admitted(self) -> int:
+        return sum(app.admitted for app in self.apps.values())
+
+    @property
+    def waiting(self) -> int:
+        return sum(app.waiting for app in self.apps.values())
+
+    def abort_waiters(self) -> None:
+        for app in self.apps.values():
+            app.abort_waiters()
+
+    def withdraw(self) -> None:
+        for app in self.apps.values():
+            app.withdraw()
+
+    def queue_json(self) -> bytes:
+        """``/noctaya/queue``: each model's admission, lease and readiness (as a per-model gateway
+        shows its own), and the Pod-wide held-body budget."""
+        models = ",".join(f"{json.dumps(name)}:{app.queue_json().decode()}" for name, app in self.apps.items())
+        return (f'{{"heldBytes":{self.budget.held_bytes},"heldBytesLimit":{self.budget.max_bytes},'
+                f'"draining":{json.dumps(self.draining)},"models":{{{models}}}}}').encode()
+
+    def render_metrics(self) -> bytes:
+        """Every model's gateway metrics with a ``model`` label (bounded by the table's 256), and the
+        answers given before a model was known (unknown model, bad requests, refusals) as
+        ``model=""``."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import Metric
+
+        families: dict[str, Metric] = {}
+        for model, registry in [("", self.metrics.registry), *((n, a.metrics.registry) for n, a in self.apps.items())]:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                merged.samples.extend(sample._replace(labels={"model": model, **sample.labels})
+                                      for sample in family.samples)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(list(families.values())))
+        return generate_latest(registry)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
+        if self.draining:
+            conn.keep_alive = False
+        decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=self._before_body,
+                         max_body=self.config.max_body_bytes)
+        try:
+            if decision.kind == "error":
+                return answer_error(conn, self.metrics, decision.error, close=decision.close)
+            if decision.kind == "health":
+                return self._health(conn, head)
+            if decision.kind == "metrics":
+                return self._ok(conn, self.render_metrics(), metrics_module.CONTENT_TYPE_LATEST.encode())
+            if decision.kind == "models":
+                return self._models(conn, head)
+            if decision.kind == "forward":
+                return self._forward(conn, head)
+            return self._ok(conn, self.queue_json())  # /noctaya/queue
+        except ClientGone:
+            return False
+
+    def _models(self, conn: ClientConnection, head: RequestHead) -> bool:
+        """From the table, whether each model is cold or warm: listing never wakes a model. Only the
+        models the caller may use are shown; one it may not is not found, exactly like an unknown
+        one, so a key never learns which other models exist. A key that opens nothing while every
+        model is keyed is refused, as its request for any model would be."""
+        path = head.path
+        model_id = unquote(path[len("/v1/models/"):]) if len(path) > len("/v1/models/") else ""
+        if not any(app.auth is not None for app in self.apps.values()):  # nothing keyed: no file read
+            visible = list(self.apps)
+        else:
+            visible = self._visible(head.authorization)
+            if not visible and self._all_keyed:
+                return answer_error(conn, self.metrics, "unauthorized")
+        if not model_id:
+            if len(visible) == len(self.apps):
+                return self._ok(conn, self._listing)
+            return self._ok(conn, json.dumps({"object": "list", "data": [_model_object(n) for n in visible]}).encode())
+        if model_id in visible:
+            return self._ok(conn, json.dumps(_model_object(model_id)).encode())
+        return answer_error(conn, self.metrics, "model_not_found")
+
+    def _forward(self, conn: ClientConnection, head: RequestHead) -> bool:
+        """Read the whole body against the Pod's budget, find its model, hand it to that model's app."""
+        conn.timing.start(head.arrived, produces_tokens(head.method, head.path))
+        reservation = self.budget.reservation()
+        try:
+            data = b""
+            if head.has_body:
+                conn.continue_100(head)
+                data = conn.read_body(self.config.max_body_bytes, reservation)
+            model = self._model_of(head, data)
+            if model is None:
+                return answer_error(conn, self.metrics, "invalid_json")
+            app = self.apps.get(model)
+            if app is None:
+                return answer_error(conn, self.metrics, "model_not_found")
+            if app.auth is not None and not app.auth.check(head.authorization):
+                return answer_error(conn, self.metrics, "unauthorized")  # a key of another model, or none
+            if len(data) > app.config.max_body_bytes:
+                return answer_error(conn, self.metrics, "too_large")
+            return app.dispatch(conn, head, RequestBody(data, reservation))
+        except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted) as exc:
+            return answer_body_failure(conn, self.metrics, exc, self._retry_429)
+        finally:
+            reservation.release()
+
+    @staticmethod
+    def _model_of(head: RequestHead, data: bytes) -> str | None:
+        """The top-level ``model`` of a JSON body; "" when the body has none (no such model exists,
+        so it is answered ``model_not_found``); None when the body is not acceptable JSON."""
+        if not data or not is_json(head.content_type, data):
+            return ""
+        try:
+            facts = inspect_json_body(data, max_depth=MAX_JSON_DEPTH)
+        except InvalidJSON:
+            return None
+        return facts.model or ""

@@ -1,0 +1,316 @@
+"""The LLMGateway CompositeController: one shared gateway, its model table, and a truthful status.
+
+Members are the LLMServices of the gateway's namespace whose `spec.endpoint.gateway` names it (read
+from the raw object, so a member whose spec no longer parses is still known as one). Each member's
+table entry is computed by hooks.resources.gateway.model_settings, from the member and the runtime
+the LLMService sync itself resolves (hooks.controller.sync.resolve_runtime), so a model behaves the
+same behind its own gateway and behind a shared one.
+
+Never destructive:
+- an invalid LLMGateway spec keeps every observed child unchanged (Metacontroller deletes whatever a
+  response omits) and says InvalidSpec;
+- a member that no longer parses, or whose runtime cannot be resolved, keeps the entry it had in the
+  observed routing ConfigMap (found through the previous status.models), and MembersAccepted names it;
+- two members with one served name: the older (creationTimestamp, then name) is routed, the other
+  reported; beyond the gateway's MAX_MODELS the first by served name are routed, the rest reported.
+
+A member being deleted leaves the table at once: its own finalize stops admission first too.
+
+No finalize hook: every child carries the controller ownerReference Metacontroller sets, so the
+garbage collector removes them with the LLMGateway, and there is nothing to drain in order (the
+backends belong to the members, which outlive their gateway).
+
+The answer is a function of the request only (the clock feeds lastTransitionTime, carried over while a
+condition's status holds): an unchanged world gets the same bytes on every resync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+
+from gateway.modeltable import MAX_MODELS
+from hooks.api.common import API_VERSION
+from hooks.api.llmgateway import LLMGateway, LLMGatewaySpec
+from hooks.api.llmservice import Endpoint
+from hooks.api.status import ConditionType
+from hooks.config import HookConfig, resolve
+from hooks.controller import observe as obs
+from hooks.controller import status as st
+from hooks.controller.sync import namespace_of, parse_service, resolve_runtime
+from hooks.errors import describe_validation_error
+from hooks.resources import gateway, names, shared
+from hooks.resources.context import RenderContext
+
+LLMSERVICE = f"LLMService.{API_VERSION}"
+CONFIGMAP = "ConfigMap.v1"
+
+ACCEPTED = "Accepted"
+MEMBERS_ACCEPTED = "MembersAccepted"
+
+
+class GatewayReason(StrEnum):
+    ACCEPTED = "Accepted"
+    INVALID_SPEC = "InvalidSpec"
+    ALL_MEMBERS_ACCEPTED = "AllMembersAccepted"
+    NOT_EVALUATED = "NotEvaluated"
+    # Membership problems, most pressing first (the condition's reason is the first that applies).
+    INVALID_MEMBER = "InvalidMember"
+    RUNTIME_NOT_RESOLVED = "RuntimeNotResolved"
+    DUPLICATE_SERVED_NAME = "DuplicateServedName"
+    TOO_MANY_MODELS = "TooManyModels"
+    NO_KEY_OPENS = "NoKeyOpens"
+
+
+_PROBLEM_ORDER = (GatewayReason.INVALID_MEMBER, GatewayReason.RUNTIME_NOT_RESOLVED,
+                  GatewayReason.DUPLICATE_SERVED_NAME, GatewayReason.TOO_MANY_MODELS, GatewayReason.NO_KEY_OPENS)
+
+
+def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
+    """Every LLMService of the gateway's namespace, and every InferenceRuntime.
+
+    Both with an empty selector, on purpose. Metacontroller caches this answer per (parent UID,
+    generation), so it may depend on the gateway's spec only, and membership is in the members' specs:
+    a new member must be seen without a new gateway generation. LLMServices carry no label naming
+    their gateway to select on. Runtimes likewise: which ones the members need changes with the
+    members, and runtimes are few, cluster-scoped configuration objects."""
+    parent = obs.require_object(request, "parent")
+    return {"relatedResources": [
+        {"apiVersion": API_VERSION, "resource": "llmservices", "namespace": namespace_of(parent), "labelSelector": {}},
+        {"apiVersion": API_VERSION, "resource": "inferenceruntimes", "labelSelector": {}},
+    ]}
+
+
+# --- membership -----------------------------------------------------------------------------------
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _meta(obj: dict[str, Any]) -> dict[str, Any]:
+    return _dict(obj.get("metadata"))
+
+
+def is_member(obj: dict[str, Any], gateway_name: str, namespace: str) -> bool:
+    """The raw object names this gateway (whether or not the rest of its spec parses)."""
+    endpoint = _dict(_dict(obj.get("spec")).get("endpoint"))
+    return endpoint.get("gateway") == gateway_name and (_meta(obj).get("namespace") or namespace) == namespace
+
+
+def raw_served_name(obj: dict[str, Any]) -> str:
+    """The served name as the raw object gives it (model.servedName, else its name)."""
+    served = _dict(_dict(obj.get("spec")).get("model")).get("servedName")
+    return served if isinstance(served, str) and served else str(_meta(obj).get("name", ""))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One member's entry, freshly computed or kept from the observed table."""
+
+    service: str
+    created: str
+    entry: dict[str, Any]
+
+    @property
+    def served(self) -> str:
+        return str(self.entry["name"])
+
+
+@dataclass
+class Membership:
+    routed: list[Candidate] = field(default_factory=list)
+    problems: list[tuple[GatewayReason, str]] = field(default_factory=list)
+
+
+def previous_models(status: Any) -> list[dict[str, str]]:
+    """status.models as a previous sync wrote it, entry by entry skipping anything malformed."""
+    items = _dict(status).get("models")
+    out = []
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("service"), str):
+            out.append({"name": item["name"], "service": item["service"]})
+    return out
+
+
+def observed_entries(configmap: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The entries of the observed routing ConfigMap by served name (none when it does not parse)."""
+    raw = _dict(_dict(configmap).get("data")).get(shared.MODELS_FILE)
+    try:
+        doc = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return {}
+    models = _dict(doc).get("models")
+    return {e["name"]: e for e in models if isinstance(e, dict) and isinstance(e.get("name"), str)} \
+        if isinstance(models, list) else {}
+
+
+def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_status: Any,
+           config: HookConfig) -> Membership:
+    """Which members are routed, with which entries, and what is wrong with the others."""
+    out = Membership()
+    was_served = {m["service"]: m["name"] for m in previous_models(previous_status)}
+    old_entries = observed_entries(observed.child(CONFIGMAP, names.shared_routes(gw.metadata.name)))
+    members = [o for o in observed.related_objects(LLMSERVICE)
+               if is_member(o, gw.metadata.name, namespace) and not _meta(o).get("deletionTimestamp")]
+    candidates: list[Candidate] = []
+    for raw in members:
+        name = str(_meta(raw).get("name", ""))
+        created = str(_meta(raw).get("creationTimestamp") or "")
+        service, error = parse_service(raw)
+        problem: tuple[GatewayReason, str] | None = None
+        if service is None:
+            problem = (GatewayReason.INVALID_MEMBER, f"LLMService {name} is invalid: {error}")
+        elif service.spec.cache.strategy == "BakedImage":  # its own sync renders no backend for it
+            problem = (GatewayReason.INVALID_MEMBER, f"LLMService {name}: cache.strategy BakedImage is not implemented")
+        else:
+            resolution = resolve_runtime(service, observed)
+            if resolution.runtime is None:
+                problem = (GatewayReason.RUNTIME_NOT_RESOLVED, f"LLMService {name}: {resolution.message}")
+            else:
+                ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace, config=config)
+                entry = gateway.model_settings(ctx).table_entry(service.served_name)
+                candidates.append(Candidate(name, created, entry))
+        if problem is None:
+            continue
+        old = old_entries.get(was_served.get(name) or raw_served_name(raw))
+        kept = "its previous entry is kept" if old is not None else "it is not routed (it never was)"
+        out.problems.append((problem[0], f"{problem[1]}; {kept}"))
+        if old is not None:
+            candidates.append(Candidate(name, created, old))
+    by_name: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        by_name.setdefault(c.served, []).append(c)
+    winners = []
+    for served in sorted(by_name):
+        first, *rest = sorted(by_name[served], key=lambda c: (c.created, c.service))
+        winners.append(first)
+        for c in rest:
+            out.problems.append((GatewayReason.DUPLICATE_SERVED_NAME,
+                                 f"LLMService {c.service} serves {served!r} like the older {first.service}: not routed"))
+    if gw.spec.api_keys:
+        # Fail closed: with keys on the gateway, a model none of them opens is not served to everyone.
+        closed = [c for c in winners if not shared.key_files_for(gw.spec, c.served)]
+        if closed:
+            out.problems.append((GatewayReason.NO_KEY_OPENS, "no API key opens "
+                                 + ", ".join(f"{c.served} ({c.service})" for c in closed)
+                                 + ": not routed (add the model to a key's models, or a key without models)"))
+            winners = [c for c in winners if c not in closed]
+    if len(winners) > MAX_MODELS:
+        dropped = winners[MAX_MODELS:]
+        out.problems.append((GatewayReason.TOO_MANY_MODELS,
+                             f"a gateway fronts at most {MAX_MODELS} models; not routed: "
+                             + ", ".join(f"{c.served} ({c.service})" for c in dropped)))
+        winners = winners[:MAX_MODELS]
+    out.routed = [dataclasses.replace(c, entry=shared.with_keys(gw.spec, c.entry)) for c in winners]
+    return out
+
+
+def members_condition(membership: Membership) -> st.Cond:
+    if not membership.problems:
+        return st.Cond(MEMBERS_ACCEPTED, "True", GatewayReason.ALL_MEMBERS_ACCEPTED,
+                       f"{len(membership.routed)} model(s) routed")
+    problems = sorted(membership.problems, key=lambda p: _PROBLEM_ORDER.index(p[0]))
+    text = f"{len(membership.routed)} model(s) routed; " + "; ".join(p[1] for p in problems)
+    return st.Cond(MEMBERS_ACCEPTED, "False", problems[0][0], st.short(text))
+
+
+# --- sync -----------------------------------------------------------------------------------------
+
+
+def parse_gateway(parent: dict[str, Any]) -> tuple[LLMGateway | None, str]:
+    try:
+        return LLMGateway.model_validate({k: v for k, v in parent.items() if k != "status"}), ""
+    except ValidationError as exc:
+        return None, describe_validation_error(exc)
+
+
+def _raw_replicas(parent: dict[str, Any]) -> int:
+    value = _dict(parent.get("spec")).get("replicas")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def ready_condition(observed: obs.Observed, gateway_name: str, multi: bool) -> st.Cond:
+    """Ready: the per-model gateway's own readiness rule, over the shared gateway's Deployments."""
+    cond = st.gateway_condition(observed.child(obs.DEPLOYMENT, names.shared_gateway(gateway_name)),
+                                observed.child(obs.DEPLOYMENT, names.shared_aggregator(gateway_name)), multi)
+    return dataclasses.replace(cond, type=ConditionType.READY)
+
+
+def children(ctx: shared.SharedContext, routed: list[Candidate], observed: obs.Observed) -> list[dict[str, Any]]:
+    out = [
+        shared.deployment(ctx),
+        shared.public_service(ctx),
+        shared.scaler_service(ctx),
+        shared.routes_configmap(ctx, [c.entry for c in routed]),
+    ]
+    if ctx.multi_gateway:
+        # The aggregator caps one member's demand figure: the largest maxQueue of any routed model.
+        demand = max((int(c.entry.get(gateway.TABLE_KEYS["max_queue"], 0)) for c in routed), default=0)
+        out.append(shared.aggregator_deployment(ctx, demand or _default_max_queue()))
+        out.append(shared.gateway_pdb(ctx))
+        out.append(shared.token_secret(ctx, observed.child(obs.SECRET, names.shared_token(ctx.name))))
+    return out
+
+
+def _default_max_queue() -> int:
+    return int(Endpoint.model_fields["max_queue"].default)
+
+
+def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
+    """CompositeController sync (hook version v2)."""
+    parent = obs.require_object(request, "parent")
+    cfg = resolve(config)
+    observed = obs.observe(request)
+    meta = _meta(parent)
+    name = str(meta["name"])
+    namespace = namespace_of(parent)
+    generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
+    previous_status = parent.get("status")
+    status: dict[str, Any] = {} if generation is None else {"observedGeneration": generation}
+    status["url"] = shared.url(name, namespace, cfg)
+
+    gw, error = parse_gateway(parent)
+    if gw is None:
+        # Keep everything as it is: the table and the Pods already serving the members.
+        models = previous_models(previous_status)
+        conds = [
+            st.Cond(ACCEPTED, "False", GatewayReason.INVALID_SPEC,
+                    st.short(f"spec is invalid, existing children are kept unchanged: {error}")),
+            st.Cond(MEMBERS_ACCEPTED, "Unknown", GatewayReason.NOT_EVALUATED,
+                    "not evaluated: the spec is invalid"),
+            dataclasses.replace(ready_condition(observed, name, _raw_replicas(parent) > 1), status="False",
+                                reason=GatewayReason.INVALID_SPEC,
+                                message="the spec is invalid (see Accepted); existing children are kept unchanged"),
+        ]
+        kept = [obs.kept(o) for o in observed.children.values()]
+        return _answer(status, models, conds, kept, previous_status, generation, cfg)
+
+    ctx = shared.SharedContext(gateway=gw, namespace=namespace, config=cfg, uid=str(meta.get("uid") or ""))
+    membership = gather(gw, namespace, observed, previous_status, cfg)
+    models = [{"name": c.served, "service": c.service} for c in membership.routed]
+    conds = [
+        st.Cond(ACCEPTED, "True", GatewayReason.ACCEPTED, _accepted_message(gw.spec)),
+        members_condition(membership),
+        ready_condition(observed, name, ctx.multi_gateway),
+    ]
+    return _answer(status, models, conds, children(ctx, membership.routed, observed), previous_status, generation, cfg)
+
+
+def _accepted_message(spec: LLMGatewaySpec) -> str:
+    keys = f"{len(spec.api_keys)} API key(s)" if spec.api_keys else "no API keys (no model asks for one)"
+    return f"{spec.replicas} gateway replica(s), {keys}"
+
+
+def _answer(status: dict[str, Any], models: list[dict[str, str]], conds: list[st.Cond],
+            kids: list[dict[str, Any]], previous_status: Any, generation: int | None,
+            cfg: HookConfig) -> dict[str, Any]:
+    status["modelCount"] = len(models)
+    status["models"] = models
+    status["conditions"] = st.wire_conditions(conds, previous_status, generation, cfg.clock)
+    return {"status": status, "children": kids, "resyncAfterSeconds": 0.0, "finalized": False}
