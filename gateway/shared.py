@@ -295,8 +295,9 @@ class SharedGatewayApp(AnswersHere):
     def _models(self, conn: ClientConnection, head: RequestHead) -> bool:
         """From the table, whether each model is cold or warm: listing never wakes a model. Only the
         models the caller may use are shown; one it may not is not found, exactly like an unknown
-        one, so a key never learns which other models exist. A key that opens nothing while every
-        model is keyed is refused, as its request for any model would be."""
+        one, so the listing never shows a key the other models (a request naming one is refused
+        with 401, as a wrong key is). A key that opens nothing while every model is keyed is refused,
+        as its request for any model would be."""
         path = head.path
         model_id = unquote(path[len("/v1/models/"):]) if len(path) > len("/v1/models/") else ""
         if not any(app.auth is not None for app in self.apps.values()):  # nothing keyed: no file read
