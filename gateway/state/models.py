@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from gateway.state.pod import BACKEND_READY, PARKED_SECONDS, PodState
+from gateway.state.pod import BACKEND_READY, PARKED_SECONDS, PodState, SamplerThread
 from scaler.demand import Demand, DemandBroadcaster
 
 __all__ = ["ModelBroadcaster", "ModelDemand", "ModelsSampler"]
@@ -89,22 +89,19 @@ class ModelDemand:
             return [(m, pods, self._broadcasters[m]) for m, pods in self._pods.items() if m in self._broadcasters]
 
 
-class ModelsSampler:
+class ModelsSampler(SamplerThread):
     """One OS thread publishing every model's demand (``DemandSampler``'s rules, per model): at once
     when any model's cold demand or readiness flips, every ``interval`` while any model may have warm
     traffic, else parked for up to ``PARKED_SECONDS``."""
 
     def __init__(self, demand: ModelDemand, interval: float = 0.1) -> None:
+        super().__init__(demand.notify, interval, "noctaya-models-sampler")
         self.demand = demand
-        self.interval = interval
-        self.withdrawn = False
         self._transitions: dict[int, float] = {}  # id(pod) -> its transition counter at the last sample
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="noctaya-models-sampler", daemon=True)
+        self._next_wait = 0.0  # the first sample at once, then as the last one found
 
-    def start(self) -> ModelsSampler:
-        self._thread.start()
-        return self
+    def _wait(self) -> float:
+        return self._next_wait
 
     def publish_now(self) -> bool:
         """Publish every model's demand; whether any model may have warm traffic."""
@@ -129,20 +126,6 @@ class ModelsSampler:
             lease_any = lease_any or demand.lease_active
         self.demand.changes.publish(Demand(queued_sum, in_flight_sum, lease_any), force=changed)
         self._transitions = seen
+        self._next_wait = self.interval if busy else PARKED_SECONDS
         return busy
-
-    def _run(self) -> None:
-        wait = 0.0
-        while not self._stop.is_set():
-            self.demand.notify.acquire(timeout=wait)
-            wait = self.interval if self.publish_now() else PARKED_SECONDS
-
-    def withdraw(self) -> None:
-        self.withdrawn = True
-        self.publish_now()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.demand.notify.release()
-        self._thread.join(5)
 

@@ -34,7 +34,7 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 from scaler.demand import Demand
 
@@ -240,24 +240,56 @@ class Row:
             self._notify.release()  # a parked sampler must watch warm traffic from now on
 
 
-class DemandSampler:
+class SamplerThread:
+    """An OS thread that publishes demand each time ``notify`` is posted, and otherwise after
+    :meth:`_wait` seconds (the subclass says how long: short while there may be warm traffic, which
+    only sampling sees; long while parked). The demand sampler of one Pod and the shared gateway's
+    sampler of every model are both one of these."""
+
+    def __init__(self, notify: Any, interval: float, name: str) -> None:  # a semaphore (thread or process)
+        self.interval = interval
+        self.withdrawn = False
+        self._notify = notify
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> Self:
+        self._thread.start()
+        return self
+
+    def publish_now(self) -> object:
+        raise NotImplementedError
+
+    def _wait(self) -> float:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._notify.acquire(timeout=self._wait())
+            self.publish_now()
+
+    def withdraw(self) -> None:
+        """Graceful shutdown: the published demand is zero from now on."""
+        self.withdrawn = True
+        self.publish_now()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._notify.release()
+        self._thread.join(5)
+
+
+class DemandSampler(SamplerThread):
     """Publishes the Pod's summed demand to a broadcaster: at once when a worker's cold demand
     flips, otherwise every ``interval`` seconds (the broadcaster ignores equal values). Runs in an
     OS thread of the supervisor (or of a test harness)."""
 
     def __init__(self, pod: PodState, broadcaster: Any, interval: float = 0.1) -> None:
+        super().__init__(pod.notify, interval, "noctaya-demand-sampler")
         self.pod = pod
         self.broadcaster = broadcaster
-        self.interval = interval
-        self.withdrawn = False
         self.failures = 0
         self._transitions = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="noctaya-demand-sampler", daemon=True)
-
-    def start(self) -> DemandSampler:
-        self._thread.start()
-        return self
 
     def publish_now(self) -> None:
         demand, self._transitions = self.pod.sample(self._transitions)
@@ -268,11 +300,6 @@ class DemandSampler:
         except Exception:  # a broken sink must never stop sampling; the next round retries
             self.failures += 1
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.pod.notify.acquire(timeout=self._wait())
-            self.publish_now()
-
     def _wait(self) -> float:
         """How long to sleep before the next sample. Warm traffic is seen only by sampling, but there is
         none while no worker believes the backend ready: then every request is cold and its flip (like
@@ -280,13 +307,3 @@ class DemandSampler:
         if self.withdrawn or self.pod.any(BACKEND_READY) or self.pod.demand().active:
             return self.interval
         return PARKED_SECONDS
-
-    def withdraw(self) -> None:
-        """Graceful shutdown: the published demand is zero from now on."""
-        self.withdrawn = True
-        self.publish_now()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.pod.notify.release()
-        self._thread.join(5)
