@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.modeltable import LIST_FIELDS
 from hooks.api.llmgateway import LLMGateway, LLMGatewaySpec
 from hooks.config import HookConfig
 from hooks.resources import disruption, gateway, labels, names, scaler, secrets
@@ -27,9 +28,9 @@ MODELS_DIR = "/etc/noctaya/models"
 MODELS_FILE = "models.json"
 MODELS_VOLUME = "models"
 API_KEYS_DIR = "/var/run/noctaya/api-keys"
-# The model-table key of a model's API key files (the shared gateway's; not in MODEL_FIELDS until the
-# gateway side lands).
+# The model-table key of the files of the API keys that open a model (one of the gateway's LIST_FIELDS).
 AUTH_KEY_FILES = "authKeyFiles"
+assert AUTH_KEY_FILES in LIST_FIELDS
 DEFAULT_KEY = "api-key"
 
 
