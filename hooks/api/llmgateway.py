@@ -36,7 +36,8 @@ from hooks.api.common import (
     SecretKeyRef,
 )
 from hooks.api.llmservice import Endpoint, EndpointService, ModelSpec
-from hooks.api.status import Condition, _StatusModel
+from hooks.api.status import Condition, PendingUpgrade, _StatusModel
+from hooks.api.upgrades import Upgrades
 
 MAX_API_KEYS = 16
 # The shared gateway's own bound (gateway.modeltable.MAX_MODELS); a key scoped to more names than a
@@ -94,6 +95,12 @@ class LLMGatewaySpec(ApiModel):
         description="Registry credentials (kubernetes.io/dockerconfigjson Secrets in this namespace) for the shared "
         "gateway and aggregate scaler Pods.",
     )
+    upgrades: Upgrades = Field(
+        default_factory=Upgrades,
+        description="How Noctaya's own changes (a new release, an install setting) reach the shared gateway's Pods: "
+        "with WhenIdle they wait until every routed model is at zero replicas (nothing is held or streaming "
+        "through the gateway then), a window, or an approval. Changes to this LLMGateway roll at once.",
+    )
 
 
 class GatewayModel(_StatusModel):
@@ -110,6 +117,8 @@ class LLMGatewayStatus(_StatusModel):
     models: list[GatewayModel] = Field(
         default_factory=list, description="The routed models by served name, in table order (sorted by name)."
     )
+    pending_upgrade: PendingUpgrade | None = Field(
+        default=None, description="Noctaya's own changes waiting to reach the shared gateway's Pods (absent: none).")
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Accepted (the spec) and MembersAccepted (membership problems).",
         json_schema_extra=_CONDITION_LIST,

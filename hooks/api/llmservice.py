@@ -30,6 +30,7 @@ from hooks.api.common import (
     duration_seconds,
 )
 from hooks.api.status import LLMServiceStatus
+from hooks.api.upgrades import Upgrades
 from prewarm import sources
 
 # The grammar of model.source and model.revision lives in one module (prewarm.sources): the CEL
@@ -557,6 +558,11 @@ class LLMServiceSpec(ApiModel):
         max_length=16,
         description="Registry credentials (kubernetes.io/dockerconfigjson Secrets in this namespace) for every Pod "
         "rendered for this LLMService: backend, gateways, aggregate scaler; added to the runtime's own.",
+    )
+    upgrades: Upgrades = Field(
+        default_factory=Upgrades,
+        description="How Noctaya's own changes (a new release, an install setting) reach this model's running "
+        "Pods without reloading it while it is warm. Changes to this LLMService or its runtime roll at once.",
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (

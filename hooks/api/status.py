@@ -17,6 +17,7 @@ class ConditionType(StrEnum):
     GATEWAY_READY = "GatewayReady"
     READY = "Ready"
     ACCEPTED = "Accepted"  # InferenceRuntime only
+    UPGRADE_PENDING = "UpgradePending"  # Noctaya's own changes wait to reach running Pods
 
 
 class Reason(StrEnum):
@@ -58,6 +59,11 @@ class Reason(StrEnum):
     # a member of a shared gateway (spec.endpoint.gateway)
     GATEWAY_NOT_FOUND = "GatewayNotFound"
     NOT_LISTED = "NotListed"
+    # Noctaya's own changes to running Pods (condition UpgradePending)
+    UP_TO_DATE = "UpToDate"
+    WAITING_FOR_SCALE_TO_ZERO = "WaitingForScaleToZero"
+    WAITING_FOR_WINDOW = "WaitingForWindow"
+    WAITING_FOR_APPROVAL = "WaitingForApproval"
 
 
 class _StatusModel(BaseModel):
@@ -116,6 +122,18 @@ class ColdStart(_StatusModel):
     total: str = Field(description="Created until Ready.", json_schema_extra=_SECONDS)
 
 
+class PendingUpgrade(_StatusModel):
+    """Pod templates that changed only because Noctaya changed, waiting to reach running Pods."""
+
+    digest: str = Field(description="Identifies exactly these waiting templates: annotate the object with "
+                        "serving.noctaya.io/approve-upgrade=<digest> to apply them now (their Pods restart).",
+                        max_length=64)
+    deployments: list[str] = Field(default_factory=list, description="The Deployments whose running Pods keep "
+                                   "their current template for now.")
+    changes: list[str] = Field(default_factory=list, description="Where the waiting templates differ from the "
+                               "running ones (paths inside the Pod template, at most a few).")
+
+
 class LLMServiceStatus(_StatusModel):
     """What Noctaya observed and decided for one LLMService."""
 
@@ -136,6 +154,8 @@ class LLMServiceStatus(_StatusModel):
     last_cold_start: ColdStart | None = Field(
         default=None, description="The most recent start from nothing serving to a Ready replica, per phase."
     )
+    pending_upgrade: PendingUpgrade | None = Field(
+        default=None, description="Noctaya's own changes waiting to reach this model's running Pods (absent: none).")
     conditions: list[Condition] = Field(
         default_factory=list, description="Current conditions.", json_schema_extra=_CONDITION_LIST
     )

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from hooks.api.llmservice import LLMService
 from hooks.api.status import ConditionType, Reason
 from hooks.config import HookConfig, resolve
-from hooks.controller import coldstart
+from hooks.controller import coldstart, rollout
 from hooks.controller import observe as obs
 from hooks.controller import status as st
 from hooks.controller.customize import shared_gateway_name
@@ -41,6 +41,7 @@ class Outcome:
     runtime: str | None = None
     backend_failures: list[tuple[Reason | str, str]] = field(default_factory=list)
     cold_start: dict[str, Any] | None = None  # the lastColdStart this sync writes (computed once)
+    pending_upgrade: dict[str, Any] | None = None  # status.pendingUpgrade (hooks.controller.rollout)
 
     def put(self, cond: st.Cond) -> None:
         self.conditions[cond.type] = cond
@@ -386,6 +387,7 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         measured_cold_start=coldstart.total_seconds(out.cold_start),
     )
     plan_children(ctx, observed, out, keda, missing)
+    settle_rollout(ctx, parent, observed, out, config)
 
     extra = list(out.backend_failures)
     if "credentials" in missing:
@@ -408,6 +410,53 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
     )
     out.put(gateway_ready(parent, observed, ctx.multi_gateway, missing.get("auth")))
     return out
+
+
+def backend_inputs(ctx: RenderContext, deployment: dict[str, Any]) -> str:
+    """What the backend template is rendered from: the runtime, the backend's parts of the spec, and
+    where staged weights are (the Deployment's own annotations)."""
+    spec = ctx.service.spec
+    own = {k: v for k, v in ((deployment["metadata"].get("annotations") or {}).items()) if k != rollout.INPUTS_ANNOTATION}
+    return rollout.inputs_digest(runtime=ctx.runtime.spec, model=spec.model, runtimeRef=spec.runtime,
+                                 resources=spec.resources, scheduling=spec.scheduling, cache=spec.cache,
+                                 imagePullSecrets=spec.image_pull_secrets, annotations=own)
+
+
+def front_inputs(ctx: RenderContext) -> str:
+    """What gateway and aggregator templates are rendered from (hooks.resources.gateway and scaler):
+    the runtime (port, readiness path), spec.endpoint, the activation timeout, the served name, the
+    accelerator count, scaler TLS and pull secrets. Not the rest of spec.scaling, which only KEDA reads."""
+    spec = ctx.service.spec
+    return rollout.inputs_digest(runtime=ctx.runtime.spec, endpoint=spec.endpoint, model=spec.model,
+                                 activationTimeout=spec.scaling.activation_timeout,
+                                 accelerators=spec.resources.accelerators, scalerTLS=spec.scaler_tls,
+                                 imagePullSecrets=spec.image_pull_secrets)
+
+
+ROLLED = {labels.BACKEND: True, labels.GATEWAY: False, labels.AGGREGATOR: False}  # component → is the engine
+
+
+def settle_rollout(ctx: RenderContext, parent: dict[str, Any], observed: obs.Observed, out: Outcome,
+                   config: HookConfig) -> None:
+    """Record each rendered Deployment's inputs and keep a warm model's running templates when only
+    Noctaya's part changed (hooks.controller.rollout)."""
+    def annotate(child: dict[str, Any]) -> dict[str, Any]:
+        component = component_of(child)
+        if child.get("kind") != "Deployment" or component not in ROLLED:
+            return child
+        inputs = backend_inputs(ctx, child) if component == labels.BACKEND else front_inputs(ctx)
+        return rollout.with_inputs(child, inputs)
+
+    out.children = [annotate(c) for c in out.children]
+    desired, current, _ready = st.deployment_counts(observed_deployment(observed, names.backend(ctx.name)))
+    facts = rollout.Facts(upgrades=ctx.service.spec.upgrades, warm=desired > 0 or current > 0,
+                          approval=rollout.approval_of(parent), min_replicas=ctx.service.spec.scaling.min,
+                          now=lambda: rollout.parse_clock(config.clock()))
+    settled = rollout.settle(out.children, rollout.candidates_of(out.children, observed, ROLLED), facts,
+                             rollout.spec_seen(parent))
+    out.children = settled.children
+    out.put(settled.condition)
+    out.pending_upgrade = settled.pending
 
 
 def _backend_replicas(observed: obs.Observed, name: str) -> int | None:
@@ -436,6 +485,8 @@ def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, c
     status["readyReplicas"] = ready
     status.update(coldstart.timeline(None if deployment is None else desired, observed.live_pods(), parent.get("status"),
                                      config.clock, out.cold_start))
+    if out.pending_upgrade is not None:
+        status["pendingUpgrade"] = out.pending_upgrade
     status["conditions"] = st.wire_conditions(out.conditions.values(), parent.get("status"), generation, config.clock)
     return status
 

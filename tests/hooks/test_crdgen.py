@@ -492,6 +492,20 @@ LLM_SAMPLES += [
      "scaling.schedules[].replicas must not exceed scaling.max"),
 ]
 
+# spec.upgrades: windows in the warm-window syntax, without replicas or a lead.
+_UPGRADE = {"start": "0 3 * * SUN", "end": "0 5 * * SUN"}
+LLM_SAMPLES += [
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "upgrades": {"policy": "WhenIdle", "windows": [
+        {**_UPGRADE, "timeZone": "Europe/Berlin"}, {"start": "30 1 1 * ?", "end": "0 2 1 * ?"}]}}, None),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "upgrades": {"policy": "Immediate"}}, None),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "upgrades": {"windows": [{**_UPGRADE, "start": "0 24 * * *"}]}},
+     f'upgrades.windows[].start must be a {_CRON_HELP}, e.g. "0 3 * * SUN"'),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "upgrades": {"windows": [{**_UPGRADE, "end": "0 5 * SUN"}]}},
+     f'upgrades.windows[].end must be a {_CRON_HELP}, e.g. "0 5 * * SUN"'),
+    ({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}, "upgrades": {"windows": [{**_UPGRADE, "end": _UPGRADE["start"]}]}},
+     "upgrades.windows[].start and end must differ"),
+]
+
 # A member of a shared gateway (endpoint.gateway): the LLMGateway carries API keys and replicas,
 # and scaler TLS is not supported there yet.
 _MEMBER = {"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}}

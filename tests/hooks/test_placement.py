@@ -14,7 +14,7 @@ import pytest
 
 from hooks.api.runtime import InferenceRuntime
 from hooks.controller import observe as obs
-from hooks.controller import sync
+from hooks.controller import rollout, sync
 from hooks.controller.sync import Outcome, plan_children
 from hooks.resources import cache as cache_res
 from hooks.resources import prewarm
@@ -38,6 +38,12 @@ def job_pod(job: dict, node: str, phase: str = "Succeeded", suffix: str = "x1", 
         "status": {"phase": phase, "containerStatuses": [{"name": "prewarm", "state": {"terminated": {
             "exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error", "finishedAt": finished}}}]},
     }
+
+
+def own_annotations(deployment: dict) -> dict[str, str]:
+    """The Deployment's annotations but the rollout's record of its inputs."""
+    found = deployment["metadata"].get("annotations") or {}
+    return {k: v for k, v in found.items() if k != rollout.INPUTS_ANNOTATION}
 
 
 def pin_of(deployment: dict) -> list[str] | None:
@@ -75,7 +81,7 @@ def test_a_hostpath_backend_is_pinned_to_the_node_the_job_staged_on(source: str)
     answer, _observed, job = staged(svc, "gpu-b")
     b = backend(answer)
     assert pin_of(b) == ["gpu-b"]
-    assert b["metadata"]["annotations"] == {WEIGHTS_JOB: job["metadata"]["name"], WEIGHTS_NODE: "gpu-b"}
+    assert own_annotations(b) == {WEIGHTS_JOB: job["metadata"]["name"], WEIGHTS_NODE: "gpu-b"}
     c = cond(answer, "CacheReady")
     assert (c["status"], c["reason"]) == ("True", "Available") and c["message"].endswith("on node gpu-b")
     # A failed earlier attempt on another node does not count: only the succeeded Pod staged the weights.
@@ -152,7 +158,7 @@ def test_the_pending_claim_message_names_the_jobs_pod_as_first_consumer() -> Non
 def test_shared_caches_are_not_pinned() -> None:
     answer, _observed, _job = staged(service("SharedPVC"), "gpu-b")
     b = backend(answer)
-    assert pin_of(b) is None and "annotations" not in b["metadata"]
+    assert pin_of(b) is None and own_annotations(b) == {}
 
 
 def unschedulable_backend(message: str) -> dict:

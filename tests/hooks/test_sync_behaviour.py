@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from hooks.controller import autoscaling, customize, finalize, runtime_status, sync
+from hooks.controller import autoscaling, customize, finalize, rollout, runtime_status, sync
 from hooks.errors import InvalidHookRequest
 from hooks.resources import names, secrets
 from tests.hooks import helpers as h
@@ -58,7 +58,8 @@ def test_breakage_keeps_every_observed_child(breakage: str) -> None:
     # backend's replica count, which is KEDA's live one (the last-applied 0 would scale it down).
     backend = next(c for c in answer["children"] if c["metadata"]["name"] == names.backend("qwen") and c["kind"] == "Deployment")
     assert backend["spec"]["replicas"] == 1 and "status" not in backend
-    assert "resourceVersion" not in backend["metadata"] and "annotations" not in backend["metadata"]
+    assert "resourceVersion" not in backend["metadata"]
+    assert set(backend["metadata"].get("annotations", {})) <= {rollout.INPUTS_ANNOTATION}  # never last-applied
 
 
 def test_kept_child_without_last_applied_is_stripped() -> None:
