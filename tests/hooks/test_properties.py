@@ -5,9 +5,12 @@ from __future__ import annotations
 import copy
 import json
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from hooks.controller import autoscaling, sync
+from hooks.api.llmservice import LLMService
+from hooks.controller import autoscaling, rollout, sync
 from hooks.resources import labels as lb
 from hooks.resources import names
 from tests.hooks import helpers as h
@@ -227,3 +230,48 @@ def test_no_serving_container_reads_a_prewarmed_cache_before_the_marker(scenario
         for mount in container.get("volumeMounts") or []:
             if mount["name"] == cache_volume and (shared or container is inits[0]):
                 assert mount.get("readOnly") is True, container["name"]
+
+
+# --- what a template is rendered from is what its inputs digest covers (hooks.controller.rollout) ---
+
+
+def _rolled_templates(answer: dict) -> dict[str, tuple[str | None, dict]]:
+    """Deployment name → (inputs digest, Pod template) of every Deployment the rollout rules judge."""
+    out = {}
+    for child in answer["children"]:
+        if child["kind"] == "Deployment" and child["metadata"]["labels"].get(lb.COMPONENT) in sync.ROLLED:
+            out[child["metadata"]["name"]] = ((child["metadata"].get("annotations") or {}).get(rollout.INPUTS_ANNOTATION),
+                                              child["spec"]["template"])
+    return out
+
+
+SECTIONS = ("model", "runtime", "resources", "scaling", "scheduling", "cache", "endpoint", "scalerTLS", "imagePullSecrets",
+            "upgrades")
+
+
+@SETTINGS
+@given(scenarios(), scenarios(), st.sampled_from([*SECTIONS, "the runtime object"]))
+def test_a_template_changes_only_with_its_inputs(first: tuple[dict, list[dict]], second: tuple[dict, list[dict]],
+                                                  lent: str) -> None:
+    """A Deployment whose inputs digest is unchanged must render the same template: otherwise a user's
+    edit would be mistaken for Noctaya's and wait (the digest missed a field the template reads).
+    The second spec lends one section of its spec, or its runtime object, to the first."""
+    service, runtimes = first
+    mixed, mixed_runtimes = copy.deepcopy(service), runtimes
+    if lent == "the runtime object":
+        mixed_runtimes = [{**copy.deepcopy(second[1][0]), "metadata": runtimes[0]["metadata"]}, *runtimes[1:]]
+    elif lent == "upgrades":
+        mixed["spec"]["upgrades"] = {"policy": "Immediate", "windows": [{"start": "0 3 * * SUN", "end": "0 5 * * SUN"}]}
+    elif lent in second[0]["spec"]:
+        mixed["spec"][lent] = copy.deepcopy(second[0]["spec"][lent])
+    else:
+        mixed["spec"].pop(lent, None)
+    try:
+        LLMService.model_validate(mixed)
+    except ValidationError:
+        assume(False)
+    before = _rolled_templates(sync.sync(_request(service, runtimes), h.config()))
+    after = _rolled_templates(sync.sync(_request(mixed, mixed_runtimes), h.config()))
+    for name in before.keys() & after.keys():
+        if before[name][0] == after[name][0]:
+            assert before[name][1] == after[name][1], f"{name}: same inputs digest, different template ({lent})"
