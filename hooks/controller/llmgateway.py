@@ -41,10 +41,11 @@ from hooks.api.llmservice import Endpoint
 from hooks.api.status import ConditionType
 from hooks.config import HookConfig, resolve
 from hooks.controller import observe as obs
+from hooks.controller import rollout
 from hooks.controller import status as st
 from hooks.controller.sync import namespace_of, parse_service, resolve_runtime
 from hooks.errors import describe_validation_error
-from hooks.resources import gateway, names, shared
+from hooks.resources import gateway, labels, names, shared
 from hooks.resources.context import RenderContext
 
 LLMSERVICE = f"LLMService.{API_VERSION}"
@@ -109,6 +110,12 @@ def raw_served_name(obj: dict[str, Any]) -> str:
     return served if isinstance(served, str) and served else str(_meta(obj).get("name", ""))
 
 
+def members_of(observed: obs.Observed, gateway_name: str, namespace: str) -> list[dict[str, Any]]:
+    """The LLMServices naming this gateway, but those being deleted (they leave the table at once)."""
+    return [o for o in observed.related_objects(LLMSERVICE)
+            if is_member(o, gateway_name, namespace) and not _meta(o).get("deletionTimestamp")]
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One member's entry, freshly computed or kept from the observed table."""
@@ -156,8 +163,7 @@ def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_stat
     out = Membership()
     was_served = {m["service"]: m["name"] for m in previous_models(previous_status)}
     old_entries = observed_entries(observed.child(CONFIGMAP, names.shared_routes(gw.metadata.name)))
-    members = [o for o in observed.related_objects(LLMSERVICE)
-               if is_member(o, gw.metadata.name, namespace) and not _meta(o).get("deletionTimestamp")]
+    members = members_of(observed, gw.metadata.name, namespace)
     candidates: list[Candidate] = []
     for raw in members:
         name = str(_meta(raw).get("name", ""))
@@ -250,16 +256,16 @@ def children(ctx: shared.SharedContext, routed: list[Candidate], observed: obs.O
         shared.routes_configmap(ctx, [c.entry for c in routed]),
     ]
     if ctx.multi_gateway:
-        # The aggregator caps one member's demand figure: the largest maxQueue of any routed model.
-        demand = max((int(c.entry.get(gateway.TABLE_KEYS["max_queue"], 0)) for c in routed), default=0)
-        out.append(shared.aggregator_deployment(ctx, demand or _default_max_queue()))
+        out.append(shared.aggregator_deployment(ctx, member_demand_cap(routed)))
         out.append(shared.gateway_pdb(ctx))
         out.append(shared.token_secret(ctx, observed.child(obs.SECRET, names.shared_token(ctx.name))))
     return out
 
 
-def _default_max_queue() -> int:
-    return int(Endpoint.model_fields["max_queue"].default)
+def member_demand_cap(routed: list[Candidate]) -> int:
+    """What the aggregator caps one member's demand figure at: the largest maxQueue of any routed model."""
+    demand = max((int(c.entry.get(gateway.TABLE_KEYS["max_queue"], 0)) for c in routed), default=0)
+    return demand or int(Endpoint.model_fields["max_queue"].default)
 
 
 def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
@@ -294,12 +300,53 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
     ctx = shared.SharedContext(gateway=gw, namespace=namespace, config=cfg, uid=str(meta.get("uid") or ""))
     membership = gather(gw, namespace, observed, previous_status, cfg)
     models = [{"name": c.served, "service": c.service} for c in membership.routed]
+    settled = settle_rollout(gw, parent, observed, children(ctx, membership.routed, observed),
+                             members_of(observed, name, namespace), member_demand_cap(membership.routed), cfg)
     conds = [
         st.Cond(ACCEPTED, "True", GatewayReason.ACCEPTED, _accepted_message(gw.spec)),
         members_condition(membership),
         ready_condition(observed, name, ctx.multi_gateway),
+        settled.condition,
     ]
-    return _answer(status, models, conds, children(ctx, membership.routed, observed), previous_status, generation, cfg)
+    if settled.pending is not None:
+        status["pendingUpgrade"] = settled.pending
+    return _answer(status, models, conds, settled.children, previous_status, generation, cfg)
+
+
+ROLLED = {labels.GATEWAY: False, labels.AGGREGATOR: False}  # component → is an engine (never, here)
+
+
+def _member_warm(member: dict[str, Any]) -> bool:
+    """A member whose backend has replicas (its own status, as its sync wrote it)."""
+    replicas = _dict(member.get("status")).get("replicas")
+    return isinstance(replicas, int) and replicas > 0
+
+
+def _member_min(member: dict[str, Any]) -> int:
+    value = _dict(_dict(member.get("spec")).get("scaling")).get("min")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def settle_rollout(gw: LLMGateway, parent: dict[str, Any], observed: obs.Observed, kids: list[dict[str, Any]],
+                   members: list[dict[str, Any]], demand_cap: int, cfg: HookConfig) -> rollout.Settled:
+    """The shared gateway's Pods take Noctaya's own changes only while every member is at zero (nothing
+    is held or streaming through them then), in a window, or on approval (hooks.controller.rollout).
+    Their inputs: the LLMGateway's spec; the aggregator's also the demand cap its members give it."""
+    spec = rollout.plain(gw.spec)
+    spec.pop("upgrades", None)
+
+    def annotate(child: dict[str, Any]) -> dict[str, Any]:
+        if child.get("kind") != "Deployment":
+            return child
+        aggregator = child["metadata"]["name"] == names.shared_aggregator(gw.metadata.name)
+        return rollout.with_inputs(child, rollout.inputs_digest(spec=spec, demandCap=demand_cap if aggregator else None))
+
+    kids = [annotate(c) for c in kids]
+    facts = rollout.Facts(upgrades=gw.spec.upgrades, warm=any(_member_warm(m) for m in members),
+                          approval=rollout.approval_of(parent), min_replicas=max(map(_member_min, members), default=0),
+                          now=lambda: rollout.parse_clock(cfg.clock()))
+    return rollout.settle(kids, rollout.candidates_of(kids, observed, ROLLED), facts, rollout.spec_seen(parent),
+                          what="every model it routes")
 
 
 def _accepted_message(spec: LLMGatewaySpec) -> str:

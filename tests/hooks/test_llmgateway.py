@@ -434,3 +434,62 @@ def test_a_member_with_the_reserved_baked_image_strategy_is_not_routed_since_it_
     assert [e["name"] for e in table(out)] == ["qwen"]
     cond = conditions(out)["MembersAccepted"]
     assert cond["reason"] == "InvalidMember" and "BakedImage is not implemented" in cond["message"]
+
+
+# --- Noctaya's own changes reach the shared gateway's Pods only while nothing flows through them ---
+
+
+def _upgraded(image: str = "ghcr.io/noctaya/noctaya:9.9.9") -> Any:
+    base = h.config()
+    return type(base)(**{**base.__dict__, "image": image})
+
+
+def _warm(obj: dict[str, Any], replicas: int) -> dict[str, Any]:
+    return {**obj, "status": {"replicas": replicas, "readyReplicas": replicas}}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_new_image_waits_while_a_member_is_warm_and_applies_when_all_are_at_zero(replicas: int) -> None:
+    members = [member("a", served="a"), member("b", served="b")]
+    parent = llmgateway_obj(replicas=replicas)
+    first = sync(parent, members)
+    observed = h.observe_all(first["children"])
+    parent = llmgateway_obj(status=first["status"], replicas=replicas)
+    deployments = [c["metadata"]["name"] for c in first["children"] if c["kind"] == "Deployment"]
+
+    warm = llmgateway.sync(request(parent, [_warm(members[0], 0), _warm(members[1], 1)], children=observed), _upgraded())
+    for name in deployments:
+        assert by_kind(warm)[("Deployment", name)]["spec"]["template"] == by_kind(first)[("Deployment", name)]["spec"]["template"]
+    cond = conditions(warm)["UpgradePending"]
+    assert (cond["status"], cond["reason"]) == ("True", "WaitingForScaleToZero")
+    assert warm["status"]["pendingUpgrade"]["deployments"] == sorted(deployments)
+
+    idle = llmgateway.sync(request(parent, [_warm(members[0], 0), _warm(members[1], 0)], children=observed), _upgraded())
+    for name in deployments:
+        assert by_kind(idle)[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":9.9.9")
+    assert conditions(idle)["UpgradePending"]["reason"] == "UpToDate"
+
+
+def test_a_member_with_min_one_makes_the_shared_gateway_wait_for_a_window_or_approval() -> None:
+    always = member("a", served="a")
+    always["spec"]["scaling"] = {"min": 1}
+    parent = llmgateway_obj()
+    first = sync(parent, [always])
+    observed = h.observe_all(first["children"])
+    parent = llmgateway_obj(status=first["status"])
+    held = llmgateway.sync(request(parent, [_warm(always, 1)], children=observed), _upgraded())
+    assert conditions(held)["UpgradePending"]["reason"] == "WaitingForApproval"
+    parent["metadata"]["annotations"] = {"serving.noctaya.io/approve-upgrade": held["status"]["pendingUpgrade"]["digest"]}
+    approved = llmgateway.sync(request(parent, [_warm(always, 1)], children=observed), _upgraded())
+    assert conditions(approved)["UpgradePending"]["reason"] == "UpToDate"
+
+
+def test_a_change_to_the_llmgateway_itself_rolls_at_once() -> None:
+    members = [member("a", served="a")]
+    first = sync(llmgateway_obj(), members)
+    observed = h.observe_all(first["children"])
+    edited = llmgateway_obj(status=first["status"], generation=2, maxConnectionsPerAddress=7)
+    out = llmgateway.sync(request(edited, [_warm(members[0], 1)], children=observed), _upgraded())
+    env = {e["name"]: e.get("value") for e in by_kind(out)[("Deployment", "front-llmgw")]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS"] == "7"
+    assert conditions(out)["UpgradePending"]["reason"] == "UpToDate"
