@@ -14,6 +14,12 @@ retried every second within the budget; only an engine that has answered nothing
 ``UNANSWERED_SECONDS`` in a row has nothing left to wait for (an answer showing 0 in flight still
 ends the wait at once). Runtimes without the gauges, or with
 ``lifecycle.drainWait: Sleep`` (images without sh), keep the kubelet's `sleep` action.
+
+The program is part of every backend's Pod template, so editing one byte of it would restart every
+backend that takes the new template. Released programs are therefore never edited: a change is a new
+entry in ``PROGRAMS`` (and ``CURRENT`` moves to it), tests/hooks/test_drain.py pins the digest of each
+released one, and a warm backend keeps the program it runs until it is next at zero
+(hooks/controller/rollout.py).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ UNANSWERED_SECONDS = 10
 
 # $1 port, $2 metrics path, $3 limit in seconds, $4 space-separated gauge names, $5 seconds of
 # consecutive failed fetches after which the engine counts as gone.
-WAIT_FOR_IDLE = r"""
+# Version 2 (Noctaya 0.1.0, cac6700); version 1 (e304259) stopped at the first failed fetch.
+WAIT_FOR_IDLE_V2 = r"""
 port=$1 path=$2 limit=$3 gauges=$4 unanswered=$5
 url="http://127.0.0.1:$port$path"
 if command -v curl >/dev/null 2>&1; then fetch() { curl -fsS --max-time 2 "$url"; }
@@ -78,6 +85,11 @@ while :; do
   sleep 1; waited=$(( waited + 1 ))
 done
 """.strip()
+
+# Released drain programs by version: never edit one (see the module doc); add the next instead.
+PROGRAMS: dict[int, str] = {2: WAIT_FOR_IDLE_V2}
+CURRENT = 2
+WAIT_FOR_IDLE = PROGRAMS[CURRENT]
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 

@@ -224,3 +224,18 @@ def test_runtimes_without_gauges_or_asking_for_sleep_keep_the_sleep_action() -> 
     assert drain.pre_stop(InferenceRuntime.model_validate(doc)) == {"sleep": {"seconds": 30}}
     doc["spec"]["lifecycle"] = {"drainTimeout": "0s"}
     assert drain.pre_stop(InferenceRuntime.model_validate(doc)) is None
+
+
+# Digests of every released drain program (hooks.runtime.drain.PROGRAMS). The program is in every
+# backend's Pod template: a released one edited in place would change the template of every model on
+# the next release. Add a new version instead, and its digest here once it is released.
+RELEASED_PROGRAMS = {2: "57179fbe816951126865d4def7873972a6229845c024901b371f4097485eaee0"}
+
+
+def test_released_drain_programs_are_never_edited() -> None:
+    import hashlib
+
+    for version, want in RELEASED_PROGRAMS.items():
+        assert hashlib.sha256(drain.PROGRAMS[version].encode()).hexdigest() == want, (
+            f"drain program v{version} was edited: restore it and add version {max(drain.PROGRAMS) + 1} instead")
+    assert drain.CURRENT == max(drain.PROGRAMS) and drain.WAIT_FOR_IDLE == drain.PROGRAMS[drain.CURRENT]
