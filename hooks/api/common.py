@@ -16,6 +16,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 from pydantic.alias_generators import to_camel
 
+from hooks.errors import explain_pattern
+
 GROUP = "serving.noctaya.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -88,7 +90,7 @@ Quantity = Annotated[
     ),
 ]
 
-_DURATION_RE = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+_DURATION_RE = explain_pattern(r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$", "a duration such as 90s, 5m or 1h30m")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
@@ -106,12 +108,16 @@ def duration_seconds(value: str) -> float:
 
 
 # DNS-1123 label: names of Secrets, claims, runtimes.
-DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_LABEL_RE = explain_pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                               "a DNS-1123 label: lower-case letters, digits and '-', starting and ending alphanumeric")
 DNSLabel = Annotated[str, Field(pattern=DNS_LABEL_RE, max_length=63)]
 # DNS-1123 subdomain: names of most Kubernetes objects.
-DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_SUBDOMAIN_RE = explain_pattern(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                                   "a DNS-1123 subdomain: DNS labels joined by '.'")
 DNSSubdomain = Annotated[str, Field(pattern=DNS_SUBDOMAIN_RE, max_length=253)]
-ENV_NAME_RE = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+ENV_NAME_RE = explain_pattern(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                              "an environment variable name: letters, digits, '_', '-' and '.', not starting with a digit")
+ABSOLUTE_PATH_RE = explain_pattern(r"^/", "an absolute path (starting with /)")
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from hooks.api import cron
 from hooks.api.common import (
+    ABSOLUTE_PATH_RE,
     API_VERSION,
     ApiModel,
     CRDInfo,
@@ -30,7 +31,8 @@ from hooks.api.common import (
     duration_seconds,
 )
 from hooks.api.status import LLMServiceStatus
-from hooks.api.upgrades import Upgrades
+from hooks.api.upgrades import TIME_ZONE_RE, Upgrades
+from hooks.errors import explain_pattern
 from prewarm import sources
 
 # The grammar of model.source and model.revision lives in one module (prewarm.sources): the CEL
@@ -42,7 +44,7 @@ _PVC_SOURCE_RE = sources.PVC_SOURCE_RE
 MODEL_SOURCE_RE = "|".join(f"({r})" for r in (_HUB_SOURCE_RE, _OCI_SOURCE_RE, _PVC_SOURCE_RE))
 # The schema pattern only checks the scheme; one rule per scheme then says exactly what is wrong
 # (an OpenAPI pattern failure would show the user this whole regex).
-_SCHEME_RE = sources.SCHEME_RE
+_SCHEME_RE = explain_pattern(sources.SCHEME_RE, "a source starting with hf://, modelscope://, oci:// or pvc://")
 ModelSource = sources.ModelSource
 parse_model_source = sources.parse_model_source
 
@@ -186,8 +188,8 @@ class LeadingSignalTrigger(ApiModel):
     )
 
 
-_LEAD_TIME_RE = r"^(auto|([0-9]+(\.[0-9]+)?(ms|s|m|h))+)$"
-_TIME_ZONE_RE = r"^[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+){0,2}$"
+_LEAD_TIME_RE = explain_pattern(r"^(auto|([0-9]+(\.[0-9]+)?(ms|s|m|h))+)$", "auto or a duration such as 15m")
+_TIME_ZONE_RE = TIME_ZONE_RE
 MAX_LEAD_SECONDS = 3600
 
 
@@ -384,7 +386,7 @@ class Cache(ApiModel):
     )
     size: Quantity = Field(default="50Gi", description="Size of the cache claim.")
     storage_class_name: str | None = Field(default=None, description="StorageClass of the cache claim.")
-    host_path: str | None = Field(default=None, description="Node directory for the HostPath strategy.", pattern=r"^/")
+    host_path: str | None = Field(default=None, description="Node directory for the HostPath strategy.", pattern=ABSOLUTE_PATH_RE)
     prewarm: bool = Field(
         default=False,
         description="hf:// and modelscope:// only: a Job (no accelerator) downloads model.revision into the cache, "

@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from hooks.api.common import (
+    ABSOLUTE_PATH_RE,
     API_VERSION,
     ApiModel,
     CRDInfo,
@@ -30,6 +31,7 @@ from hooks.api.common import (
     duration_seconds,
 )
 from hooks.api.status import InferenceRuntimeStatus
+from hooks.errors import explain_pattern
 
 Engine = Literal["vllm", "sglang", "llamacpp", "tgi", "custom"]
 Vendor = Literal["nvidia", "amd", "intel-gaudi", "ascend", "none"]
@@ -100,7 +102,7 @@ class Probe(ApiModel):
     """A probe of the serving container: HTTP (the default), TCP, Exec or gRPC, as Kubernetes has them."""
 
     type: Literal["HTTP", "TCP", "Exec", "GRPC"] = Field(default="HTTP", description="Kind of probe.")
-    path: str = Field(default="/health", description="HTTP path probed (type HTTP).", pattern=r"^/")
+    path: str = Field(default="/health", description="HTTP path probed (type HTTP).", pattern=ABSOLUTE_PATH_RE)
     scheme: Literal["HTTP", "HTTPS"] = Field(default="HTTP", description="HTTP or HTTPS (type HTTP).")
     port: Port | None = Field(
         default=None, description="Port probed (HTTP, TCP, GRPC); defaults to the engine port."
@@ -182,7 +184,7 @@ class Lifecycle(ApiModel):
 class RuntimeMetrics(ApiModel):
     """Where the engine exposes Prometheus metrics, and the names of its load gauges."""
 
-    path: str = Field(default="/metrics", description="Metrics path on the engine.", pattern=r"^/")
+    path: str = Field(default="/metrics", description="Metrics path on the engine.", pattern=ABSOLUTE_PATH_RE)
     port: Port | None = Field(default=None, description="Metrics port; defaults to the engine port.")
     in_flight_metric: str | None = Field(
         default=None, description="Gauge of requests being processed, e.g. vllm:num_requests_running."
@@ -207,14 +209,24 @@ SHM_VOLUME = "dshm"  # the memory-backed shared memory every serving container g
 SHM_MOUNT_PATH = "/dev/shm"
 RESERVED_VOLUMES = (CACHE_VOLUME, MODEL_VOLUME, SHM_VOLUME)
 
-# An absolute path written plainly: no trailing or doubled slash, no `.` or `..` segment, so that two
-# paths name the same directory exactly when they are equal (the API server compares mount paths as
-# strings; the container runtime cleans them first).
-CLEAN_ABSOLUTE_PATH = r"^(/([^./][^/]*|\.[^./][^/]*|\.\.[^/]+))+$"
-# Noctaya's own mount paths may end in one slash (they always could); the admission rules compare
-# them with runtime volumes' paths ignoring it.
-MOUNT_PATH = CLEAN_ABSOLUTE_PATH.removesuffix("$") + "/?$"
+# An absolute path without a `..` segment, which the API server refuses in a container's mountPath
+# (so such a runtime could never run a Pod). Trailing and doubled slashes and `.` segments are
+# allowed: Kubernetes accepts them, earlier releases accepted them, and a stored runtime must keep
+# working after an upgrade (docs/upgrading.md). Paths are compared for conflicts as the container
+# runtime sees them (cleaned) by `volume_conflicts`, and by the CEL rules ignoring one trailing slash.
+MOUNT_PATH = explain_pattern(r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+|\.)?)+$",
+                             "an absolute path without `..` segments, e.g. /cache")
 MAX_PATH_LENGTH = 1024
+
+
+# What cleans to "/" (given no `..` segment): only slashes and `.` segments.
+_ROOT_RE = r"^(/\.?)+/*$"
+_ROOT_CEL = "'" + _ROOT_RE.replace("\\", "\\\\") + "'"
+
+
+def is_root(path: str) -> bool:
+    """The path names the root directory (`/`, `//`, `/./`): nothing can be mounted there."""
+    return posixpath.normpath(path) in ("/", "//")
 
 
 def same_path(a: str, b: str) -> bool:
@@ -243,14 +255,13 @@ class RuntimeVolume(ApiModel):
         description=f"Volume name, unique in the runtime (not {_human_list(RESERVED_VOLUMES, 'or')}, which Noctaya uses)."
     )
     mount_path: str = Field(
-        description=f"Where the serving container sees it: an absolute path without a trailing slash or `.`/`..` "
-        f"segments, and none of Noctaya's own mounts ({SHM_MOUNT_PATH}, cacheMountPath, modelMountPath) or another "
-        "runtime volume's path.",
-        pattern=CLEAN_ABSOLUTE_PATH,
+        description=f"Where the serving container sees it: an absolute path without `..` segments, and none of "
+        f"Noctaya's own mounts ({SHM_MOUNT_PATH}, cacheMountPath, modelMountPath) or another runtime volume's path.",
+        pattern=MOUNT_PATH,
         max_length=MAX_PATH_LENGTH,
     )
     read_only: bool = Field(default=True, description="Mount read-only (set false for a scratch emptyDir).")
-    host_path: str | None = Field(default=None, description="A node directory or file.", pattern=r"^/")
+    host_path: str | None = Field(default=None, description="A node directory or file.", pattern=ABSOLUTE_PATH_RE)
     config_map: DNSSubdomain | None = Field(default=None, description="A ConfigMap in the LLMService's namespace.")
     secret: DNSSubdomain | None = Field(default=None, description="A Secret in the LLMService's namespace.")
     empty_dir: bool = Field(default=False, description="A scratch directory that lives as long as the Pod.")
@@ -267,10 +278,15 @@ class RuntimeVolume(ApiModel):
             check=lambda s: s.name not in RESERVED_VOLUMES,
         ),
         Rule(
-            cel=f"self.mountPath != '{SHM_MOUNT_PATH}'",
+            cel=f"!{_cel_same_path('self.mountPath', repr(SHM_MOUNT_PATH))}",
             message=f"a runtime volume cannot mount at {SHM_MOUNT_PATH}: Noctaya mounts a memory-backed {SHM_MOUNT_PATH} "
             "in every serving container (size it with shmSize)",
-            check=lambda s: s.mount_path != SHM_MOUNT_PATH,
+            check=lambda s: not same_path(s.mount_path, SHM_MOUNT_PATH),
+        ),
+        Rule(
+            cel=f"!self.mountPath.matches({_ROOT_CEL})",
+            message="a runtime volume cannot mount at the container's root directory /",
+            check=lambda s: not is_root(s.mount_path),
         ),
     )
 
@@ -377,15 +393,13 @@ class InferenceRuntimeSpec(ApiModel):
     port: Port = Field(default=8000, description="Port the engine serves its OpenAI-compatible API on.")
     model_mount_path: str = Field(
         default="/models",
-        description="Where pvc:// model sources are mounted (read-only): an absolute path without `.`/`..` segments "
-        "or doubled slashes.",
+        description="Where pvc:// model sources are mounted (read-only): an absolute path without `..` segments.",
         pattern=MOUNT_PATH,
         max_length=MAX_PATH_LENGTH,
     )
     cache_mount_path: str = Field(
         default="/cache",
-        description="Where the model cache volume is mounted: an absolute path without `.`/`..` segments or doubled "
-        "slashes.",
+        description="Where the model cache volume is mounted: an absolute path without `..` segments.",
         pattern=MOUNT_PATH,
         max_length=MAX_PATH_LENGTH,
     )
@@ -450,9 +464,14 @@ class InferenceRuntimeSpec(ApiModel):
         ),
         Rule(
             cel="!has(self.volumes) || "
-            "self.volumes.all(v, self.volumes.filter(w, w.mountPath == v.mountPath).size() == 1)",
+            f"self.volumes.all(v, self.volumes.filter(w, {_cel_same_path('w.mountPath', 'v.mountPath')}).size() == 1)",
             message="two runtime volumes cannot mount at the same path",
-            check=lambda s: len({v.mount_path for v in s.volumes}) == len(s.volumes),
+            check=lambda s: all(sum(same_path(w.mount_path, v.mount_path) for w in s.volumes) == 1 for v in s.volumes),
+        ),
+        Rule(
+            cel=f"![self.cacheMountPath, self.modelMountPath].exists(p, p.matches({_ROOT_CEL}))",
+            message="cacheMountPath and modelMountPath cannot be the container's root directory /",
+            check=lambda s: not is_root(s.cache_mount_path) and not is_root(s.model_mount_path),
         ),
     )
 

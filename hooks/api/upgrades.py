@@ -24,8 +24,10 @@ from pydantic import Field, model_validator
 
 from hooks.api import cron
 from hooks.api.common import ApiModel, Rule
+from hooks.errors import explain_pattern
 
-TIME_ZONE_RE = r"^[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+){0,2}$"
+TIME_ZONE_RE = explain_pattern(r"^[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+){0,2}$",
+                               "an IANA time zone name such as Europe/Berlin or UTC")
 MAX_WINDOWS = 8
 # How far back a window's last start or end is looked for: every day of the week, month and leap
 # day recurs within eight years.

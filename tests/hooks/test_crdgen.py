@@ -583,6 +583,16 @@ RUNTIME_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
                   {"name": "tmp", "mountPath": "/tmp", "emptyDir": True, "readOnly": False},
                   {"name": "sub", "mountPath": "/cache/sub", "emptyDir": True},
                   {"name": "dots", "mountPath": "/..x/.y", "emptyDir": True}]}, None),
+    # What earlier releases stored (docs/upgrading.md): trailing and doubled slashes, `.` segments.
+    ({"engine": "vllm", "image": "x", "cacheMountPath": "/var//cache/", "modelMountPath": "/./weights",
+      "volumes": [{"name": "cfg", "mountPath": "/etc/engine/", "configMap": "c"}]}, None),
+    ({"engine": "vllm", "image": "x", "volumes": [{"name": "root", "mountPath": "/", "emptyDir": True}]},
+     "a runtime volume cannot mount at the container's root directory /"),
+    ({"engine": "vllm", "image": "x", "cacheMountPath": "/./"},
+     "cacheMountPath and modelMountPath cannot be the container's root directory /"),
+    ({"engine": "vllm", "image": "x", "volumes": [{"name": "a", "mountPath": "/tmp/", "emptyDir": True},
+                                                  {"name": "b", "mountPath": "/tmp", "configMap": "c"}]},
+     "two runtime volumes cannot mount at the same path"),
 ]
 POOL_SAMPLES: list[tuple[dict[str, Any], str | None]] = [
     ({"resourceName": "nvidia.com/gpu"}, None),

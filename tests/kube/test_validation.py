@@ -197,11 +197,17 @@ CASES = [
         "a runtime volume cannot mount at /dev/shm: Noctaya mounts a memory-backed /dev/shm",
     ),
     Case(
-        "volume-at-dev-shm-written-loosely",
+        "volume-with-a-backstep",
         VALID_RUNTIME,
-        _set("volumes", [{"name": "shm", "mountPath": "/dev//shm/", "emptyDir": True, "readOnly": False}]),
+        _set("volumes", [{"name": "shm", "mountPath": "/dev/../dev/shm", "emptyDir": True, "readOnly": False}]),
         "spec.volumes[0].mountPath",
         cel=False,
+    ),
+    Case(
+        "volume-at-dev-shm-with-a-trailing-slash",
+        VALID_RUNTIME,
+        _set("volumes", [{"name": "shm", "mountPath": "/dev/shm/", "emptyDir": True, "readOnly": False}]),
+        "a runtime volume cannot mount at /dev/shm: Noctaya mounts a memory-backed /dev/shm",
     ),
     Case(
         "volume-at-cache-path",
@@ -237,11 +243,17 @@ CASES = [
         "two runtime volumes cannot mount at the same path",
     ),
     Case(
-        "cache-path-written-loosely",
+        "cache-path-with-a-backstep",
         VALID_RUNTIME,
-        _set("cacheMountPath", "/./cache"),
+        _set("cacheMountPath", "/x/../cache"),
         "spec.cacheMountPath",
         cel=False,
+    ),
+    Case(
+        "cache-path-is-the-root",
+        VALID_RUNTIME,
+        _set("cacheMountPath", "/./"),
+        "cacheMountPath and modelMountPath cannot be the container's root directory /",
     ),
     Case(
         "cache-path-is-dev-shm",
