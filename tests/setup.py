@@ -126,6 +126,16 @@ def _metacontroller_run() -> object:
     return metacontroller_binary()
 
 
+def _release_present() -> bool:
+    from tests.previous_release import present
+    return present()
+
+
+def _release_run() -> object:
+    from tests.previous_release import source_tree
+    return source_tree()
+
+
 def _registry_present() -> bool:
     return shutil.which("docker-registry") is not None
 
@@ -143,7 +153,10 @@ STEPS: tuple[Step, ...] = (
          "(tools/kube-testenv/build.sh)", BOTH, ("tests/kube/", "tests/e2e/"), _kube_present, _kube_run),
     Step("crd-modules", "KEDA, Prometheus Operator and cert-manager Go modules (their CRDs; go mod download)", BOTH,
          ("tests/kube/", "tests/e2e/", "tests/hooks/"), _modules_present(CRD_MODULES), _modules_run(CRD_MODULES)),
-    Step("helm", "helm from HELM_MODULE", TEST, ("tests/kube/test_chart.py",),
+    Step("previous-release", "the previous release's source (tests/previous_release.py; git archive from this clone)",
+         BOTH, ("tests/hooks/test_upgrade_compat.py", "tests/kube/test_upgrade_compat.py", "tests/e2e/"),
+         _release_present, _release_run),
+    Step("helm", "helm from HELM_MODULE", BOTH, ("tests/kube/test_chart.py", "tests/e2e/test_upgrade.py"),
          _module_binary_present("HELM_MODULE", "helm"), _helm_run),
     Step("promtool", "promtool from PROMETHEUS_MODULE", TEST, ("tests/kube/test_rules.py",),
          _module_binary_present("PROMETHEUS_MODULE", "promtool"), _promtool_run),
