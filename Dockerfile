@@ -5,7 +5,7 @@
 #   python -m prewarm hub|wait   the prewarm Job's downloader, the serving Pod's cache-marker wait
 # The manifests under metacontroller/ and the children the hooks render set `command` explicitly.
 #
-#   docker build -t ghcr.io/noctaya/noctaya:0.1.0 .
+#   docker build -t ghcr.io/noctaya/noctaya:0.2.0 .
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build

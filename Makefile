@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test e2e lint demo demo-prewarm render crds chart bench bench-pool-day clean
+.PHONY: venv test e2e lint demo demo-prewarm render crds chart release bench bench-pool-day clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ crds: $(STAMP)
 # charts/noctaya's CRDs and generated-*.yaml templates from crds/ and metacontroller/ (run after `make crds`).
 chart: $(STAMP)
 	$(PY) tools/chart/generate.py
+
+# A new release version in hooks/version.py and every copy of it, then the chart regenerated
+# (tools/release.py; docs/releasing.md): make release VERSION=0.3.0
+release: $(STAMP)
+	@test -n "$(VERSION)" || { echo "make release: give the new version, e.g. make release VERSION=0.3.0" >&2; exit 2; }
+	$(PY) tools/release.py $(VERSION)
 
 # Every benchmark, then the warm path's and the idle footprint's targets side by side (about 6 min;
 # make bench BENCH_ARGS=--quick: about 2 min, idle windows of 15 s instead of a minute).

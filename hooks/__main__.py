@@ -1,6 +1,7 @@
-"""Command line of the control plane: `python -m hooks serve | render | crds`.
+"""Command line of the control plane: `python -m hooks serve | render | crds` (`--version`).
 
-Exit codes: 0 success; 1 `crds --check` found a difference; 2 usage error or invalid input.
+Exit codes: 0 success; 1 `crds --check` found a difference; 2 usage error or invalid input; 3 `serve`
+refused to start: the image is older than its Deployment's NOCTAYA_EXPECTED_VERSION (or that is no version).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import atexit
 import faulthandler
 import filecmp
+import json
 import logging
 import os
 import shutil
@@ -21,6 +23,7 @@ from typing import Any
 
 EXIT_DIFFERENT = 1
 EXIT_INVALID = 2
+EXIT_STALE_IMAGE = 3
 YAML_SUFFIXES = (".yaml", ".yml")
 WORKERS_ENV = "NOCTAYA_HOOK_WORKERS"
 THREADS_ENV = "NOCTAYA_HOOK_THREADS"
@@ -79,12 +82,38 @@ def _positive_int(raw: str) -> int:
 STACK_DUMP_SIGNAL = signal.SIGRTMIN
 
 
+def _refuse_a_stale_image() -> bool:
+    """Say why and return True when this image is older than the Deployment that runs it; the kubelet
+    shows the termination message, and the rollout stops while the old Pods keep serving."""
+    from hooks.compat import expected_version_problem
+    from scaler.secretfiles import write_termination_message
+
+    problem = expected_version_problem(os.environ)
+    if problem is None:
+        return False
+    print(f"hooks: {problem}", file=sys.stderr, flush=True)
+    write_termination_message(problem)
+    return True
+
+
+def _log_start(args: argparse.Namespace) -> None:
+    from hooks.compat import EXPECTED_VERSION_ENV, version_info
+
+    line = {"event": "start", **version_info(), "bind": args.bind, "https": bool(args.tls_cert_file)}
+    if os.environ.get(EXPECTED_VERSION_ENV):
+        line["expectedVersion"] = os.environ[EXPECTED_VERSION_ENV]
+    logging.getLogger("noctaya.hooks").info(json.dumps(line, separators=(",", ":")))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if _refuse_a_stale_image():
+        return EXIT_STALE_IMAGE
     _prepare_multiprocess_metrics()
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    _log_start(args)
     from hooks.gunicorn_conf import HookServer, server_options
 
     def app_factory() -> Any:
@@ -228,9 +257,12 @@ def cmd_crds(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hooks.version import __version__
+
     parser = argparse.ArgumentParser(
         prog="python -m hooks", description="Noctaya control plane: Metacontroller hooks."
     )
+    parser.add_argument("--version", action="version", version=f"noctaya {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -238,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the hook server (Flask under gunicorn)",
         description="Serve the Metacontroller hooks over HTTP. Environment: "
         "NOCTAYA_HOOK_TOKEN_FILE (bearer token file; unset = no auth), "
-        "NOCTAYA_HOOK_MAX_BODY_BYTES, plus the HookConfig variables.",
+        "NOCTAYA_HOOK_MAX_BODY_BYTES, NOCTAYA_EXPECTED_VERSION (refuse to start, exit 3, when this "
+        "image is older), plus the HookConfig variables.",
     )
     serve.add_argument(
         "--bind",

@@ -7,6 +7,8 @@ HookConfig and returns the response object; this module turns that into HTTP:
 * any other exception → 500 JSON error, logged with its traceback. Never a 200: Metacontroller
   deletes every child that a 200 response omits, so a half-built answer must not look like one;
 * ``HookOverloaded`` → 429 with ``Retry-After`` (Metacontroller retries after that delay);
+* a controller manifest of a newer release than this server (``hooks.compat``) → 503
+  ``version_skew`` before any hook runs, logged once per controller;
 * optional bearer token, matching Metacontroller's webhook ``authorization`` setting, which sends
   ``Authorization: <type, default Bearer> <Secret value, whitespace-trimmed>``;
 * ETag (quoted sha256 of the exact body bytes) and ``If-None-Match`` → 304 without a body,
@@ -33,6 +35,7 @@ from typing import Any
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from hooks.compat import RefusalLog, check_controller, version_info
 from hooks.errors import InvalidHookRequest
 from hooks.metrics import POOL_SYNC_HOOK, HookMetrics
 from scaler.secretfiles import read_secret_file
@@ -230,7 +233,8 @@ def create_app(
     ``handlers`` maps a path of :data:`HOOK_ROUTES` to its function; when omitted the real hook
     functions are imported and ``config`` defaults to ``HookConfig.from_env()``. ``token`` (or the
     file named by ``NOCTAYA_HOOK_TOKEN_FILE``, read once here) turns on bearer authentication of
-    the hook routes; ``/healthz`` and ``/metrics`` stay open for kubelet probes and Prometheus.
+    the hook routes; ``/healthz``, ``/version`` and ``/metrics`` stay open for kubelet probes,
+    people and Prometheus.
     """
     if handlers is None:
         handlers = load_default_handlers()
@@ -257,6 +261,7 @@ def create_app(
     hook_name_by_endpoint = {route.name: route.name for route in routes}
     hook_metrics.prime(route.name for route in routes)
     app.extensions["noctaya_hook_metrics"] = hook_metrics
+    refusals = RefusalLog()
 
     @app.before_request
     def _start_and_authenticate() -> Response | None:
@@ -279,7 +284,7 @@ def create_app(
         if hook is None:
             return response
         seconds = time.perf_counter() - g.get("started", time.perf_counter())
-        hook_metrics.observe(hook, seconds, response.status_code)
+        hook_metrics.observe(hook, seconds, response.status_code, g.get("error_kind"))
         logger.info(
             json.dumps(
                 {
@@ -301,6 +306,11 @@ def create_app(
                 hook_request = _parse_body()
                 g.hook_object = _object_key(hook_request)
                 g.hook_object_version = _object_version(hook_request)
+                refusal = check_controller(hook_request)
+                if refusal is not None:
+                    refusals.report(refusal)
+                    g.error_kind = refusal.kind
+                    return error_response(refusal.status, refusal.kind, refusal.message)
                 result = handler(hook_request, config)
                 if not isinstance(result, Mapping):
                     raise TypeError(f"hook {route.name} returned {type(result).__name__}, not an object")
@@ -349,6 +359,10 @@ def create_app(
     @app.get("/healthz")
     def healthz() -> Response:
         return Response(serialize_body({"status": "ok"}), status=200, content_type=JSON_CONTENT_TYPE)
+
+    @app.get("/version")
+    def version() -> Response:
+        return Response(serialize_body(version_info(config)), status=200, content_type=JSON_CONTENT_TYPE)
 
     @app.get("/metrics")
     def metrics_view() -> Response:

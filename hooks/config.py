@@ -13,7 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-DEFAULT_IMAGE = "ghcr.io/noctaya/noctaya:0.1.0"
+from hooks.version import RELEASE_IMAGE
+
+# The image of this release (hooks/version.py): the gateways a hook server renders run the same
+# code as the hook server itself unless NOCTAYA_IMAGE says otherwise.
+DEFAULT_IMAGE = RELEASE_IMAGE
 
 # One random key per process when no key file is configured: tokens are still unguessable, and a
 # token, once written into the Secret child, is reused from the observed Secret on every later sync,

@@ -55,8 +55,10 @@ MAX_TRACKED_POOLS = 64
 # default webhook timeout.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# Every error response of a hook route is counted under exactly one of these kinds.
-ERROR_KINDS = ("bad_request", "unauthorized", "payload_too_large", "overloaded", "internal")
+# Every error response of a hook route is counted under exactly one of these kinds. `version_skew`
+# (a controller manifest newer than this hook server, hooks.compat) is named by the app, not derived
+# from the status code.
+ERROR_KINDS = ("bad_request", "unauthorized", "payload_too_large", "overloaded", "internal", "version_skew")
 
 
 def error_kind_for_status(status_code: int) -> str | None:
@@ -141,9 +143,11 @@ class HookMetrics:
             for kind in ERROR_KINDS:
                 self.errors.labels(hook=hook, kind=kind)
 
-    def observe(self, hook: str, seconds: float, status_code: int) -> None:
+    def observe(self, hook: str, seconds: float, status_code: int, kind: str | None = None) -> None:
+        """One answered call; ``kind`` names its error kind when the status code alone does not."""
         self.latency.labels(hook=hook).observe(seconds)
-        kind = error_kind_for_status(status_code)
+        if kind not in ERROR_KINDS:
+            kind = error_kind_for_status(status_code)
         if kind is not None:
             self.errors.labels(hook=hook, kind=kind).inc()
 

@@ -649,3 +649,187 @@ def test_serve_refuses_to_start_with_an_empty_token_file(tmp_path: Path) -> None
 
 def test_every_route_is_wired_to_a_real_hook() -> None:
     assert set(load_default_handlers()) == {route.path for route in HOOK_ROUTES}
+
+
+# ------------------------------------------------------------------ release version (hooks.compat)
+
+
+def _version_parts() -> tuple[int, int, int]:
+    from hooks.version import __version__
+
+    major, minor, patch = (int(part) for part in __version__.split("."))
+    return major, minor, patch
+
+
+def _older() -> str:
+    major, minor, patch = _version_parts()
+    if patch:
+        return f"{major}.{minor}.{patch - 1}"
+    return f"{major}.{minor - 1}.99" if minor else f"{major - 1}.99.99"
+
+
+def _newer() -> list[str]:
+    major, minor, patch = _version_parts()
+    # minor + 10: one more digit, which a comparison of strings would put before the release.
+    return [f"{major}.{minor}.{patch + 1}", f"{major}.{minor + 10}.0", f"{major + 1}.0.0"]
+
+
+def annotated_request(version: Any = None, controller: str = "noctaya-llmservice", **extra: Any) -> dict[str, Any]:
+    request = sync_request()
+    metadata: dict[str, Any] = {"name": controller}
+    if version is not None:
+        metadata["annotations"] = {"serving.noctaya.io/version": version, **extra}
+    request["controller"] = {"apiVersion": "metacontroller.k8s.io/v1alpha1", "kind": "CompositeController",
+                             "metadata": metadata}
+    return request
+
+
+class CountingSync:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, request: dict[str, Any], config: Any) -> dict[str, Any]:
+        self.calls += 1
+        return stub_sync(request, config)
+
+
+def test_version_endpoint_reports_the_release_without_auth_or_secrets(tmp_path: Path) -> None:
+    import platform
+
+    from hooks.config import HookConfig
+    from hooks.version import __version__
+
+    key_file = tmp_path / "token-key"
+    key_file.write_bytes(b"k" * 32)
+    config = HookConfig.from_env({"NOCTAYA_IMAGE": "mirror.example/noctaya:x", "NOCTAYA_TOKEN_KEY_FILE": str(key_file)})
+    client = create_app({SYNC: stub_sync}, config=config, token="s3cret-token").test_client()
+    response = client.get("/version")
+    assert response.status_code == 200
+    assert response.get_json() == {"version": __version__, "python": platform.python_version(),
+                                   "image": "mirror.example/noctaya:x"}
+    assert "s3cret" not in response.get_data(as_text=True) and "kkkk" not in response.get_data(as_text=True)
+    assert client.post("/version").status_code == 405
+
+
+@pytest.mark.parametrize("version", ["same", "older", None], ids=["same", "older", "missing"])
+def test_a_controller_of_this_or_an_older_release_is_served(version: str | None) -> None:
+    from hooks.version import __version__
+
+    sync = CountingSync()
+    client = create_app({SYNC: sync}, config="cfg").test_client()
+    given = {"same": __version__, "older": _older(), None: None}[version]
+    response = client.post(SYNC, json=annotated_request(given))
+    assert response.status_code == 200, response.get_data(as_text=True)
+    assert sync.calls == 1 and response.get_json()["children"]
+
+
+@pytest.mark.parametrize("newer", _newer())
+def test_a_controller_of_a_newer_release_is_refused_with_both_versions_and_nothing_changed(newer: str) -> None:
+    from hooks.version import __version__
+
+    sync = CountingSync()
+    client = create_app({SYNC: sync}, config="cfg").test_client()
+    response = client.post(SYNC, json=annotated_request(newer))
+    assert response.status_code == 503  # not 200: Metacontroller would apply an answer, and retries this
+    body = response.get_json()
+    assert set(body) == {"error"} and body["error"]["type"] == "version_skew"
+    message = body["error"]["message"]
+    assert f"CompositeController noctaya-llmservice is from Noctaya {newer}" in message
+    assert f"this hook server runs {__version__}" in message and f"Pull the {newer} image" in message
+    assert sync.calls == 0
+    assert "ETag" not in response.headers
+    assert SECRET_DATA not in response.get_data(as_text=True)
+
+
+@pytest.mark.parametrize("garbage", ["latest", "0.3", "v0.3.0", "01.2.3", "0.3.0-rc.1", " 0.3.0", 3, ""])
+def test_an_unreadable_version_annotation_is_a_400_naming_it(garbage: Any) -> None:
+    from hooks.version import __version__
+
+    sync = CountingSync()
+    client = create_app({SYNC: sync}, config="cfg").test_client()
+    response = client.post(SYNC, json=annotated_request(garbage))
+    assert response.status_code == 400
+    error = response.get_json()["error"]
+    assert error["type"] == "bad_request"
+    assert "serving.noctaya.io/version" in error["message"] and "not a MAJOR.MINOR.PATCH version" in error["message"]
+    assert f"runs Noctaya {__version__}" in error["message"]
+    assert sync.calls == 0
+
+
+def test_a_refusal_is_logged_once_per_controller_and_counted_on_every_call(caplog) -> None:
+    newer = _newer()[1]
+    client = create_app({SYNC: CountingSync(), CUSTOMIZE: stub_customize}, config="cfg").test_client()
+    with caplog.at_level(logging.INFO, logger="noctaya.hooks"):
+        for _ in range(3):
+            assert client.post(SYNC, json=annotated_request(newer)).status_code == 503
+        assert client.post(CUSTOMIZE, json=annotated_request(newer)).status_code == 503  # same controller
+        assert client.post(SYNC, json=annotated_request(newer, controller="noctaya-llmgateway")).status_code == 503
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "refusing hook calls of CompositeController noctaya-llmservice" in warnings[0]
+    assert "CompositeController noctaya-llmgateway" in warnings[1]
+    calls = [json.loads(r.getMessage()) for r in caplog.records if r.levelno == logging.INFO]
+    assert [c["status"] for c in calls] == [503] * 5  # the per-call line stays, one per call
+    samples = metric_samples(client.get("/metrics").get_data(as_text=True))
+    assert samples[("noctaya_hook_errors_total", (("hook", "llmservice_sync"), ("kind", "version_skew")))] == 4
+    assert samples[("noctaya_hook_errors_total", (("hook", "llmservice_customize"), ("kind", "version_skew")))] == 1
+    assert samples[("noctaya_hook_errors_total", (("hook", "llmservice_sync"), ("kind", "internal")))] == 0
+
+
+def test_the_real_hooks_answer_a_controller_of_their_release_and_refuse_a_newer_one() -> None:
+    from hooks.version import __version__
+    from tests.hooks import helpers
+
+    folder = GOLDEN / "cold-single-gateway"
+    request = json.loads((folder / "request.json").read_text())
+    expected = json.loads((folder / "expected.json").read_text())
+    client = create_app(config=helpers.config(helpers.LATER_TIME)).test_client()
+    for version, status in ((__version__, 200), (_newer()[0], 503)):
+        request["controller"].setdefault("metadata", {})["annotations"] = {"serving.noctaya.io/version": version}
+        response = client.post(SYNC, json=request)
+        assert response.status_code == status, response.get_data(as_text=True)
+    request["controller"]["metadata"]["annotations"]["serving.noctaya.io/version"] = __version__
+    assert client.post(SYNC, json=request).get_json() == expected
+
+
+def test_serve_refuses_to_start_on_an_image_older_than_its_deployment(tmp_path: Path) -> None:
+    from hooks.version import __version__
+
+    newer = _newer()[0]
+    termination = tmp_path / "termination-log"
+    proc, log_file = _start(
+        [sys.executable, "-m", "hooks", "serve", "--bind", "127.0.0.1:0", "--workers", "1"],
+        tmp_path,
+        {"NOCTAYA_EXPECTED_VERSION": newer, "NOCTAYA_TERMINATION_LOG": str(termination)},
+    )
+    try:
+        assert proc.wait(timeout=60) == 3
+        output = log_file.read_text()
+        said = f"this image runs Noctaya {__version__} but the noctaya-hooks Deployment is from {newer}"
+        assert said in output and "Listening at" not in output
+        assert termination.read_text().startswith(said)
+    finally:
+        _stop(proc)
+
+
+def test_serve_starts_on_its_own_or_an_older_release_and_logs_its_version(tmp_path: Path) -> None:
+    from hooks.version import __version__
+
+    for expected in (__version__, _older()):
+        scratch = tmp_path / expected
+        scratch.mkdir()
+        proc, log_file = _start(
+            [sys.executable, "-m", "hooks", "serve", "--bind", "127.0.0.1:0", "--workers", "1"],
+            scratch,
+            {"NOCTAYA_EXPECTED_VERSION": expected, "NOCTAYA_TERMINATION_LOG": str(scratch / "termination-log")},
+        )
+        try:
+            port = _wait_for_port(log_file, proc)
+            assert requests.get(f"http://127.0.0.1:{port}/version", timeout=30).json()["version"] == __version__
+            start = next(json.loads(line[line.index("{"):]) for line in log_file.read_text().splitlines()
+                         if '"event":"start"' in line)
+            assert start["version"] == __version__ and start["expectedVersion"] == expected
+            assert start["bind"] == "127.0.0.1:0" and start["https"] is False
+        finally:
+            _stop(proc)
+        assert not (scratch / "termination-log").exists()

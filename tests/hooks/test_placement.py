@@ -218,7 +218,7 @@ def test_the_job_is_placed_like_the_backend_where_the_cache_is_one_nodes() -> No
 @pytest.mark.parametrize("source", ["hf://Qwen/Qwen2.5-7B-Instruct", "oci://registry.example.com/models/qwen@sha256:" + "c" * 64])
 def test_an_image_only_upgrade_leaves_the_backend_pod_template_unchanged(strategy: str, source: str) -> None:
     old = h.config()
-    new = dataclasses.replace(old, image="ghcr.io/noctaya/noctaya:0.2.0", image_pull_policy="Always")
+    new = dataclasses.replace(old, image="ghcr.io/noctaya/noctaya:99.0.0", image_pull_policy="Always")
     svc = service(strategy, source=source)
     before, _observed, job = staged(svc, "gpu-b", old)
     after, _observed, _job = staged(svc, "gpu-b", new)
@@ -230,7 +230,7 @@ def test_an_image_only_upgrade_leaves_the_backend_pod_template_unchanged(strateg
     assert t_before["spec"]["initContainers"][0]["image"] == t_before["spec"]["containers"][0]["image"]
     # The Job runs the new image, yet an upgrade is no CacheSpecConflict for it.
     (j_after,) = jobs(sync.sync(h.sync_request(svc), new))
-    assert j_after["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/noctaya/noctaya:0.2.0"
+    assert j_after["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/noctaya/noctaya:99.0.0"
     assert j_after["metadata"]["annotations"] == job["metadata"]["annotations"]
 
 

@@ -45,8 +45,16 @@ def run_helm(helm: Path, *args: str, check: bool = True) -> subprocess.Completed
     return out
 
 
+# What `helm install` users set (the chart generates the hook Secrets once); the tests of other values
+# render on top of it. A render without it or existing Secrets fails by design (see the GitOps tests).
+GENERATE = ("--set", "hooks.generateSecrets=true")
+# What a GitOps render sets instead: Secrets created outside the chart (by hand, cert-manager, ...).
+EXISTING = ("--set", "hooks.existingSecret=noctaya-hooks", "--set", "hooks.tls.existingSecret=noctaya-hooks-tls")
+
+
 def template(helm: Path, *values: str) -> list[dict[str, Any]]:
-    out = run_helm(helm, "template", "noctaya", str(CHART), "--namespace", NAMESPACE, "--include-crds", *values)
+    out = run_helm(helm, "template", "noctaya", str(CHART), "--namespace", NAMESPACE, "--include-crds", *GENERATE,
+                   *values)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -55,12 +63,15 @@ def by_key(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def test_helm_lint_passes_and_the_schema_refuses_bad_values(helm: Path) -> None:
-    run_helm(helm, "lint", "--strict", str(CHART))
+    # helm lint treats `fail` as a note, so the defaults lint clean although they do not render.
+    for values in ((), GENERATE, EXISTING):
+        run_helm(helm, "lint", "--strict", str(CHART), *values)
     for bad in ("hooks.replicas=0", "image.pullPolicy=Sometimes", "unknownKey=1", "clusterDomain=Corp_Example",
                 "imagePullSecrets[0].name=Bad_Name", "hooks.tolerations[0].operator=Maybe",
-                "hooks.affinity.nodeSelector.a=b", "hooks.resources.request.cpu=1"):
-        out = run_helm(helm, "lint", str(CHART), "--set", bad, check=False)
+                "hooks.affinity.nodeSelector.a=b", "hooks.resources.request.cpu=1", "hooks.generateSecrets=maybe"):
+        out = run_helm(helm, "lint", str(CHART), *EXISTING, "--set", bad, check=False)
         assert out.returncode != 0, f"--set {bad} was accepted"
+        assert "values don't meet the specifications of the schema" in out.stdout + out.stderr, out.stdout
 
 
 def test_helm_template_renders_exactly_the_kustomize_install(helm: Path, kube: ControlPlane) -> None:
@@ -267,7 +278,7 @@ def test_the_hooks_render_with_what_the_chart_sets(helm: Path) -> None:
 def test_helm_output_applies_server_side(helm: Path, installed: ControlPlane) -> None:
     other = "noctaya-helm"
     installed.kubectl("create", "namespace", other, check=False)
-    out = run_helm(helm, "template", "noctaya", str(CHART), "--namespace", other, "--include-crds").stdout
+    out = run_helm(helm, "template", "noctaya", str(CHART), "--namespace", other, "--include-crds", *GENERATE).stdout
     installed.kubectl("apply", "--server-side", "--dry-run=server", "--field-manager=helm-chart-test",
                       "--force-conflicts", "-n", other, "-f", "-", stdin=out)
     assert f"noctaya-hooks.{other}.svc" in out
@@ -296,9 +307,14 @@ def test_install_upgrade_uninstall_keeps_the_hook_secret(helm: Path) -> None:
         def tls() -> dict[str, str]:
             return json.loads(plane.kubectl("-n", NAMESPACE, "get", "secret", "noctaya-hooks-tls", "-o", "json").stdout)["data"]
 
-        run_helm(helm, "install", "noctaya", str(CHART), "--create-namespace", "--wait=false", *common)
+        refused = run_helm(helm, "install", "noctaya", str(CHART), "--create-namespace", "--wait=false", *common,
+                           check=False)
+        assert refused.returncode != 0 and "hooks.generateSecrets=true" in refused.stderr  # nothing to reuse yet
+        run_helm(helm, "install", "noctaya", str(CHART), "--create-namespace", "--wait=false", *GENERATE, *common)
         first, first_tls = secret(), tls()
         assert set(first) == {"hook-token", "token-key"}
+        # Upgraded with the defaults (generateSecrets false), like a release installed by a chart that
+        # generated its Secrets unasked (0.1.0): the Secrets in the cluster are found and kept.
         run_helm(helm, "upgrade", "noctaya", str(CHART), "--set", "hooks.replicas=3", *common)
         assert secret() == first  # an upgrade keeps the token Metacontroller sends and the scaler-token key
         assert tls() == first_tls  # ... and the certificate (and CA) the controllers trust
@@ -312,3 +328,58 @@ def test_install_upgrade_uninstall_keeps_the_hook_secret(helm: Path) -> None:
         assert plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "--ignore-not-found", "-o", "name").stdout == ""
     finally:
         plane.stop()
+
+
+# ----------------------------------------------------------------------------------- GitOps renders
+
+
+def render_text(helm: Path, *values: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`helm template` as Argo CD runs it: no cluster to look into, no --set beyond what is given."""
+    return run_helm(helm, "template", "noctaya", str(CHART), "--namespace", NAMESPACE, "--include-crds", *values,
+                    check=check)
+
+
+def test_a_gitops_render_is_byte_identical_and_generates_no_secret_material(helm: Path, tmp_path: Path) -> None:
+    values = tmp_path / "gitops.yaml"
+    values.write_text(yaml.safe_dump({"hooks": {"existingSecret": "noctaya-hooks", "generateSecrets": False,
+                                                "tls": {"existingSecret": "noctaya-hooks-tls"}}}))
+    first, second = (render_text(helm, "--values", str(values)).stdout for _ in range(2))
+    assert first == second
+    docs = by_key([d for d in yaml.safe_load_all(first) if d])
+    assert not [key for key in docs if key[0] == "Secret"]
+    volumes = {v["name"]: v for v in docs[("Deployment", "noctaya-hooks")]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["keys"]["secret"]["secretName"] == "noctaya-hooks"
+    assert volumes["tls"]["secret"]["secretName"] == "noctaya-hooks-tls"
+    # The same objects as the kustomize install's (it names those Secrets too), without the Secrets.
+    assert by_key(template(helm, *EXISTING)).keys() == docs.keys()
+
+
+def test_a_render_without_secret_inputs_fails_and_says_what_to_set(helm: Path) -> None:
+    both = render_text(helm, check=False)
+    assert both.returncode != 0 and not both.stdout.strip()
+    for said in ("set hooks.existingSecret (a Secret with keys hook-token and token-key) and hooks.tls.existingSecret "
+                 f"(a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt for noctaya-hooks.{NAMESPACE}.svc",
+                 "examples/security/hook-server-cert-manager.yaml", "hooks.generateSecrets=true",
+                 'docs/install.md, "GitOps (Argo CD, Flux)"'):
+        assert said in both.stderr, both.stderr
+    tls_only = render_text(helm, "--set", "hooks.existingSecret=mine", check=False)
+    assert tls_only.returncode != 0 and "set hooks.tls.existingSecret (" in tls_only.stderr
+    assert "hooks.existingSecret (a Secret" not in tls_only.stderr
+    token_only = render_text(helm, "--set", "hooks.tls.existingSecret=mine", check=False)
+    assert token_only.returncode != 0 and "set hooks.existingSecret (a Secret" in token_only.stderr
+    assert "hooks.tls.existingSecret (" not in token_only.stderr
+
+
+def test_the_chart_version_is_the_release(helm: Path) -> None:
+    from hooks.version import RELEASE_IMAGE, __version__
+
+    shown = yaml.safe_load(run_helm(helm, "show", "chart", str(CHART)).stdout)
+    assert (shown["version"], shown["appVersion"]) == (__version__, __version__)
+    docs = by_key(template(helm))
+    (container,) = docs[("Deployment", "noctaya-hooks")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert container["image"] == env["NOCTAYA_IMAGE"] == RELEASE_IMAGE
+    assert env["NOCTAYA_EXPECTED_VERSION"] == __version__
+    controllers = [d for (kind, _), d in docs.items() if kind in ("CompositeController", "DecoratorController")]
+    assert len(controllers) >= 5
+    assert {d["metadata"]["annotations"]["serving.noctaya.io/version"] for d in controllers} == {__version__}

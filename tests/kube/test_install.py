@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from hooks.app import HOOK_ROUTES
+from hooks.version import RELEASE_IMAGE
 from tests.kube.apiserver import ControlPlane
 from tests.kube.manifests import METACONTROLLER_DIR, ApplyUnit, example_units, has_explicit_namespace
 
@@ -145,7 +146,7 @@ def test_hook_server_deployment_is_hardened(installed: ControlPlane) -> None:
     assert term["podAffinityTerm"]["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     (container,) = pod["containers"]
     assert container["command"] == ["python", "-m", "hooks", "serve"]
-    assert container["image"] == "ghcr.io/noctaya/noctaya:0.1.0"
+    assert container["image"] == RELEASE_IMAGE
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
     assert {"name": "https", "containerPort": 8443, "protocol": "TCP"} in container["ports"]

@@ -26,13 +26,16 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script: hooks.version is the repository's
+from hooks.version import RELEASE_IMAGE  # noqa: E402
+
 SOURCE = ROOT / "metacontroller"
 CRDS = ROOT / "crds"
 CHART = ROOT / "charts" / "noctaya"
 INSTALL_NAMESPACE = "noctaya-system"
 HOOK_SECRET = "noctaya-hooks"
 TLS_SECRET = "noctaya-hooks-tls"
-IMAGE = "ghcr.io/noctaya/noctaya:0.1.0"
+IMAGE = RELEASE_IMAGE  # the source's image, templated as the chart's image.repository:image.tag
 PART_OF = {"app.kubernetes.io/part-of": "noctaya"}  # the label metacontroller/kustomization.yaml adds
 
 # placeholder -> template expression (placeholders survive yaml.safe_dump as plain or quoted strings)
