@@ -227,7 +227,7 @@ def _aggregate(args: argparse.Namespace) -> int:
 
 def _local(args: argparse.Namespace) -> int:
     from scaler.demand import DemandBroadcaster
-    from scaler.pipe import mirror_demand, report_certificate, report_pushed
+    from scaler.pipe import ReportWriter, mirror_demand
 
     try:
         scaler_settings, tls = _scaler_settings(args)
@@ -236,8 +236,8 @@ def _local(args: argparse.Namespace) -> int:
         return 2
     broadcaster = DemandBroadcaster()
     # Both go up the pipe to the gateway, which exports them (it serves /metrics; this process does not).
-    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, report_pushed(sys.stdout.buffer),
-                         on_certificate=report_certificate(sys.stdout.buffer))
+    reports = ReportWriter(sys.stdout.buffer)
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, reports.pushed, on_certificate=reports.certificate)
     if scaler is None:
         return 1
     stop = _Stop()

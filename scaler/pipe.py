@@ -87,30 +87,31 @@ def mirror_demand(stream: BinaryIO, broadcaster: DemandBroadcaster, on_eof: Call
     return thread
 
 
-def _report(stream: BinaryIO, word: bytes) -> Callable[[float], None]:
-    """The child's side: a callback writing one ``<word> <value>`` line (from any thread) to ``stream``."""
-    lock = threading.Lock()
+class ReportWriter:
+    """The child's side: ``pushed`` and ``certificate`` write one ``<word> <value>`` line each to
+    ``stream``, from any thread, under one lock so lines never interleave."""
 
-    def report(value: float) -> None:
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def pushed(self, when: float) -> None:
+        """A KEDA stream was told ``true`` at ``when`` (monotonic)."""
+        self._write(PUSHED, when)
+
+    def certificate(self, not_after: float) -> None:
+        """New connections are served a certificate valid until ``not_after`` (at start and on
+        every reload)."""
+        self._write(CERTIFICATE, not_after)
+
+    def _write(self, word: bytes, value: float) -> None:
         line = b"%s %.6f\n" % (word, value)
-        with lock:
+        with self._lock:
             try:
-                stream.write(line)
-                stream.flush()
+                self._stream.write(line)
+                self._stream.flush()
             except (OSError, ValueError):  # the gateway is gone; stdin's EOF ends this process
                 pass
-    return report
-
-
-def report_pushed(stream: BinaryIO) -> Callable[[float], None]:
-    """A callback writing one ``pushed <when>`` line: a KEDA stream was told ``true``."""
-    return _report(stream, PUSHED)
-
-
-def report_certificate(stream: BinaryIO) -> Callable[[float], None]:
-    """A callback writing one ``certificate <notAfter>`` line: the certificate served to new
-    connections, at start and on every reload."""
-    return _report(stream, CERTIFICATE)
 
 
 def read_reports(stream: BinaryIO, handlers: Mapping[bytes, Callable[[float], None]]) -> None:

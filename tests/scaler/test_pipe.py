@@ -74,12 +74,13 @@ def test_mirror_over_a_real_pipe_wakes_waiters() -> None:
 
 
 def test_pushed_and_certificate_lines_round_trip_and_garbage_is_skipped() -> None:
-    from scaler.pipe import CERTIFICATE, PUSHED, read_reports, report_certificate, report_pushed
+    from scaler.pipe import CERTIFICATE, PUSHED, ReportWriter, read_reports
 
     out = io.BytesIO()
     before = time.monotonic()
-    report_pushed(out)(time.monotonic())
-    report_certificate(out)(1893456000.0)
+    reports = ReportWriter(out)
+    reports.pushed(time.monotonic())
+    reports.certificate(1893456000.0)
     seen: list[float] = []
     expiry: list[float] = []
     stream = io.BytesIO(out.getvalue() + b"pushed nan\npushed -1\nhello 5\ncertificate inf\n" + b"x" * 1000
