@@ -233,6 +233,10 @@ class _PodCollector:
         yield GaugeMetricFamily("noctaya_gateway_backend_accelerators_per_replica",
                                 "Accelerators one backend replica requests (for accelerator-hours).",
                                 value=self.accelerators)
+        if pod.scaler_certificate_not_after:  # with scaler TLS only
+            from scaler.tls import certificate_family
+
+            yield certificate_family({"scaler": pod.scaler_certificate_not_after})
 
 
 def _fmt(bound: float) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from gateway.config import GatewayConfig
 from scaler.demand import DemandBroadcaster
-from scaler.pipe import encode_demand, read_pushed
+from scaler.pipe import CERTIFICATE, PUSHED, encode_demand, read_reports
 
 log = logging.getLogger("noctaya.gateway.scaler")
 
@@ -46,15 +46,20 @@ def scaler_command(config: GatewayConfig) -> list[str]:
     return args
 
 
+def _ignore(_value: float) -> None:
+    """A report nobody asked for."""
+
+
 class ScalerProcess:
     """Starts, feeds and supervises `python -m scaler local` from the gateway's supervisor (an OS
     thread feeds the pipe)."""
 
     def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster,
-                 on_pushed: Callable[[float], None] | None = None) -> None:
+                 on_pushed: Callable[[float], None] | None = None,
+                 on_certificate: Callable[[float], None] | None = None) -> None:
         self._command = scaler_command(config)
         self._broadcaster = broadcaster
-        self._on_pushed = on_pushed
+        self._reports = {PUSHED: on_pushed or _ignore, CERTIFICATE: on_certificate or _ignore}
         self._proc: subprocess.Popen | None = None
         self._stopping = False
         self._feeder: threading.Thread | None = None
@@ -71,14 +76,16 @@ class ScalerProcess:
 
     def _spawn(self) -> None:
         # Never the gateway's own stdout: the child logs to stderr like the gateway does.
-        # Its stdout carries one `pushed <time>` line per activation told to KEDA (scaler.pipe).
+        # Its stdout carries one `pushed <time>` line per activation told to KEDA and one
+        # `certificate <notAfter>` line per certificate served (scaler.pipe); read even when nobody
+        # listens: a full pipe would block the child.
         self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       env=os.environ.copy(), close_fds=True)
         log.info("scaler process started", extra={"pid": self._proc.pid})
         stdout = self._proc.stdout
         assert stdout is not None
-        on_pushed = self._on_pushed or (lambda _when: None)  # read anyway: a full pipe would block the child
-        threading.Thread(target=read_pushed, args=(stdout, on_pushed), name="noctaya-scaler-pushes", daemon=True).start()
+        threading.Thread(target=read_reports, args=(stdout, self._reports), name="noctaya-scaler-reports",
+                         daemon=True).start()
 
     def _feed_forever(self) -> None:
         backoff = 0.25

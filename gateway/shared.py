@@ -90,7 +90,7 @@ class SharedGatewayApp(AnswersHere):
 
     def __init__(self, config: GatewayConfig, table: ModelTable, *, table_file: ModelTableFile | None = None,
                  demand: ModelDemand | None = None, reload_seconds: float = RELOAD_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pod: PodState | None = None) -> None:
         self.demand = demand  # each model's demand for the scaler (None: not published, tests)
         self.table_file = table_file
         self.reload_seconds = reload_seconds
@@ -98,7 +98,8 @@ class SharedGatewayApp(AnswersHere):
         self.config = config
         self.clock = clock
         self.draining = False
-        self.metrics = GatewayMetrics()  # Pod-level answers: unknown model, bad requests, refusals
+        # Pod-level answers (unknown model, bad requests, refusals) and ``pod``'s scaler certificate.
+        self.metrics = GatewayMetrics(pod)
         self.budget = HeldBytesBudget(config.max_held_body_bytes)
         # Per model: its own slots, lease, prober and pool. Held bytes count against the Pod's budget.
         self.table = table

@@ -270,10 +270,11 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
     (``in_process``); a supervisor runs it as a child process, on a core of its own."""
     if config.scaler_mode == "local":
         if in_process:
-            return _start_h2_scaler(config, broadcaster, on_activated=pod.mark_pushed)
+            return _start_h2_scaler(config, broadcaster, on_activated=pod.mark_pushed,
+                                    on_certificate=pod.mark_scaler_certificate)
         from gateway.scaler_process import ScalerProcess
 
-        scaler = ScalerProcess(config, broadcaster, pod.mark_pushed).start()
+        scaler = ScalerProcess(config, broadcaster, pod.mark_pushed, pod.mark_scaler_certificate).start()
         return [lambda: scaler.stop(grace=SCALER_STOP_GRACE_SECONDS)]
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
@@ -367,11 +368,12 @@ def run_shared(config: GatewayConfig) -> int:
         log.error("model table refused", extra={"error": table_file.error})
         return 2
     demand = ModelDemand()
+    pod = PodState(1, 1, None)  # Pod-wide metrics only (each model has its own state): the scaler's certificate
     listeners = _own_listeners(config)
     if listeners is None:
         return 1
     try:
-        steps = _start_shared_scaler(config, demand)
+        steps = _start_shared_scaler(config, demand, pod)
     except Exception as exc:
         log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
         return 1
@@ -379,15 +381,16 @@ def run_shared(config: GatewayConfig) -> int:
     log.info("shared gateway listening", extra={"port": listeners[0].getsockname()[1], "models": len(table.models)})
     try:
         return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda: SharedGatewayApp(
-            config, table, table_file=table_file, demand=demand))
+            config, table, table_file=table_file, demand=demand, pod=pod))
     finally:
         _shut_down(steps, sampler)
 
 
-def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand) -> list[Callable[[], None]]:
+def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand, pod: PodState) -> list[Callable[[], None]]:
     """The scaler side of a shared gateway (see run_shared); returns its shutdown steps."""
     if config.scaler_mode == "local":
-        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster)
+        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster,
+                                on_certificate=pod.mark_scaler_certificate)
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter
 

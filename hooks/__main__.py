@@ -123,16 +123,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert_file) != bool(args.tls_key_file):
         raise CliError("--tls-cert-file and --tls-key-file go together")
-    options = server_options(
-        bind=args.bind,
-        workers=args.workers,
-        threads=args.threads,
-        timeout=args.timeout,
-        graceful_timeout=args.graceful_timeout,
-        loglevel=args.log_level,
-        tls_cert_file=args.tls_cert_file or None,
-        tls_key_file=args.tls_key_file or None,
-    )
+    from scaler.tls import TLSConfigError
+
+    try:
+        options = server_options(
+            bind=args.bind,
+            workers=args.workers,
+            threads=args.threads,
+            timeout=args.timeout,
+            graceful_timeout=args.graceful_timeout,
+            loglevel=args.log_level,
+            tls_cert_file=args.tls_cert_file or None,
+            tls_key_file=args.tls_key_file or None,
+        )
+    except TLSConfigError as exc:  # names the file, never its content
+        raise CliError(f"cannot serve HTTPS: {exc}") from None
     HookServer(app_factory, options).run()
     return 0
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import ssl
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,7 +34,7 @@ from gunicorn.http import get_parser as http_parser
 from gunicorn.sock import ssl_wrap_socket
 from gunicorn.workers.gthread import _DEFER, ThreadWorker
 
-from scaler.secretfiles import file_stamp
+from scaler.tls import ReloadingServerContext, TLSFiles
 
 # Not imported from hooks.metrics: prometheus-client picks its value store when first imported, so
 # `serve` must set this variable before anything imports prometheus_client.
@@ -116,29 +115,22 @@ def _child_exit(server: Any, worker: Any) -> None:
 
 
 class ReloadingTLSContext:
-    """gunicorn's ``ssl_context`` hook: one server context per worker, rebuilt when the certificate
-    or key file changes (cert-manager or the kubelet swapping a mounted Secret), so a rotated
-    certificate is served from the next TLS handshake on, without a restart. gthread asks for the
-    context on every new connection; a stat of two files is all that costs. A half-written
-    rotation (the files not loadable together) keeps the last good context."""
+    """gunicorn's ``ssl_context`` hook: the server context of ``scaler.tls.ReloadingServerContext``,
+    rebuilt when the certificate or key file changes (cert-manager or the kubelet swapping a mounted
+    Secret), so a rotated certificate is served from the next TLS handshake on, without a restart.
+    gthread asks for the context on every new connection; a stat of two files is all that costs.
+    Material that does not load (a half-written rotation, a key that is not the certificate's) keeps
+    the last good context and is logged once. Built in the master, so a certificate that cannot be
+    served stops ``serve`` at startup; the workers inherit it and each reloads on its own. Every
+    load sets the hook server's certificate-expiry gauge (``hooks.metrics``)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._context: ssl.SSLContext | None = None
-        self._stamp: tuple[tuple[int, int, int], ...] | None = None
+    def __init__(self, cert_file: str, key_file: str) -> None:
+        from hooks.metrics import record_served_certificate
+
+        self._reloading = ReloadingServerContext(TLSFiles(cert_file, key_file), on_loaded=record_served_certificate)
 
     def __call__(self, conf: Any, default_ssl_context_factory: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
-        with self._lock:
-            try:
-                stamp = file_stamp(conf.certfile, conf.keyfile)
-                if self._context is None or stamp != self._stamp:
-                    context = default_ssl_context_factory()
-                    context.minimum_version = ssl.TLSVersion.TLSv1_2
-                    self._context, self._stamp = context, stamp
-            except (OSError, ssl.SSLError, ValueError):
-                if self._context is None:
-                    raise
-            return self._context
+        return self._reloading.current()
 
 
 def server_options(
@@ -157,7 +149,8 @@ def server_options(
         raise ValueError("workers and threads must be at least 1")
     tls: dict[str, Any] = {}
     if tls_cert_file and tls_key_file:
-        tls = {"certfile": tls_cert_file, "keyfile": tls_key_file, "ssl_context": ReloadingTLSContext()}
+        tls = {"certfile": tls_cert_file, "keyfile": tls_key_file,
+               "ssl_context": ReloadingTLSContext(tls_cert_file, tls_key_file)}
     return {
         **tls,
         "bind": bind,

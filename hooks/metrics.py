@@ -19,6 +19,9 @@ under ``mostrecent`` that is right (the newest write still wins). prometheus-cli
 series in multiprocess mode, so the series of a deleted pool stay, frozen at their last value,
 until the hook server restarts (``serve`` wipes the directory at start); a passive controller
 without a finalize hook never hears of the deletion anyway.
+
+Over HTTPS, ``noctaya_tls_certificate_not_after_timestamp_seconds{role="hooks"}`` (also ``mostrecent``)
+is the expiry of the certificate the server presents (:func:`record_served_certificate`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+
+from scaler.tls import CERTIFICATE_HELP, CERTIFICATE_METRIC
 
 logger = logging.getLogger("noctaya.hooks")
 
@@ -211,6 +216,23 @@ class HookMetrics:
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+_certificate_gauge: Gauge | None = None
+
+
+def record_served_certificate(not_after: float) -> None:
+    """The hook server now presents a certificate valid until ``not_after`` (Unix time): set at
+    startup in the gunicorn master and by whichever worker reloads a rotated certificate. The gauge
+    is not in any app's registry: ``serve`` always runs in multiprocess mode, where ``/metrics``
+    reads every process's values from PROMETHEUS_MULTIPROC_DIR, and ``mostrecent`` picks the value
+    written last, i.e. the certificate loaded last, which is what every worker serves from its next
+    handshake on (a worker checks the files before each one)."""
+    global _certificate_gauge
+    if _certificate_gauge is None:
+        _certificate_gauge = Gauge(CERTIFICATE_METRIC, CERTIFICATE_HELP, ["role"], multiprocess_mode="mostrecent",
+                                   registry=None)
+    _certificate_gauge.labels(role="hooks").set(not_after)
 
 
 def _entries(value: Any) -> list[Mapping[str, Any]]:

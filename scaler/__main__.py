@@ -110,12 +110,12 @@ def _scaler_settings(args: argparse.Namespace) -> tuple[object, object]:
 
 
 def _start_grpc(args: argparse.Namespace, broadcaster: object, settings: object, tls: object,
-                on_activated: Callable[[float], None] | None = None, **models: Any) -> object | None:
+                on_activated: Callable[[float], None] | None = None, **options: Any) -> object | None:
     from scaler.service import start_scaler_server
 
     try:
         return start_scaler_server(broadcaster, args.scaler_port, host=args.host, tls=tls, settings=settings,
-                                   on_activated=on_activated, **models)
+                                   on_activated=on_activated, **options)
     except (OSError, ValueError) as exc:  # port in use, unreadable TLS material
         print(f"scaler: cannot start the gRPC scaler: {exc}", file=sys.stderr)
         return None
@@ -200,7 +200,7 @@ def _aggregate(args: argparse.Namespace) -> int:
     # A trigger naming a model (a shared gateway's ScaledObject) gets that model's sum over the
     # gateways; one without gets the sum of everything, as for a per-model gateway.
     scaler = _start_grpc(args, broadcaster, scaler_settings, tls, models=aggregator.model_source,
-                         model_required=False)
+                         model_required=False, on_certificate=aggregator.certificates.listener("scaler"))
     if scaler is None:
         return 1
     aggregator.registry.register(scaler.collector())
@@ -227,7 +227,7 @@ def _aggregate(args: argparse.Namespace) -> int:
 
 def _local(args: argparse.Namespace) -> int:
     from scaler.demand import DemandBroadcaster
-    from scaler.pipe import mirror_demand, report_pushed
+    from scaler.pipe import ReportWriter, mirror_demand
 
     try:
         scaler_settings, tls = _scaler_settings(args)
@@ -235,7 +235,9 @@ def _local(args: argparse.Namespace) -> int:
         print(f"scaler: {exc}", file=sys.stderr)
         return 2
     broadcaster = DemandBroadcaster()
-    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, report_pushed(sys.stdout.buffer))
+    # Both go up the pipe to the gateway, which exports them (it serves /metrics; this process does not).
+    reports = ReportWriter(sys.stdout.buffer)
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, reports.pushed, on_certificate=reports.certificate)
     if scaler is None:
         return 1
     stop = _Stop()

@@ -36,7 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.secretfiles import read_secret_file
-from scaler.tls import ReloadingServerContext, TLSFiles
+from scaler.tls import ReloadingServerContext, ServedCertificates, TLSFiles
 
 __all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "parse_report", "read_token_file"]
 
@@ -324,6 +324,10 @@ class Aggregator:
         self.broadcaster = broadcaster
         self.registry = registry or CollectorRegistry()
         self._metrics = _Metrics(self.registry)
+        # notAfter of the report port's certificate and (when the caller gives the ExternalScaler
+        # `certificates.listener("scaler")`) of the gRPC one: this process's expiry gauge.
+        self.certificates = ServedCertificates()
+        self.registry.register(self.certificates)
         self._table = MemberTable(settings, clock)
         self._clock = clock
         self._lock = threading.Lock()
@@ -447,7 +451,9 @@ class Aggregator:
 
     def start(self, host: str = "0.0.0.0", port: int = 9091, tls: TLSFiles | None = None) -> None:
         """Serve reports on host:port, over TLS with ``tls``'s certificate and key when given."""
-        context = ReloadingServerContext(tls) if tls is not None else None
+        context = None
+        if tls is not None:
+            context = ReloadingServerContext(tls, on_loaded=self.certificates.listener("report"))
         self._httpd = _BoundedHTTPServer((host, port), _ReportHandler, self, context)
         serve = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                  name="aggregator-http", daemon=True)

@@ -56,7 +56,7 @@ from h2.settings import SettingCodes, Settings
 from scaler import externalscaler_pb2 as pb
 from scaler.demand import DemandBroadcaster
 from scaler.externalscaler import ExternalScalerServicer, ScalerSettings, Status
-from scaler.tls import ReloadingServerContext, TLSFiles
+from scaler.tls import CertificateListener, ReloadingServerContext, TLSFiles
 
 __all__ = ["H2ScalerServer", "start_h2_scaler_server"]
 
@@ -454,14 +454,17 @@ def start_h2_scaler_server(
     on_activated: Callable[[float], None] | None = None,
     max_connections: int = MAX_CONNECTIONS,
     models: Callable[[str], DemandBroadcaster | None] | None = None,
+    on_certificate: CertificateListener | None = None,
 ) -> H2ScalerServer:
     """Serve the ExternalScaler on ``host:port`` from the calling thread's gevent hub (port 0 =
     ephemeral, see ``.port``). With ``tls`` the client must present a certificate signed by its CA
-    file (KEDA's ``tlsClientCert``); the files are re-read when they change."""
+    file (KEDA's ``tlsClientCert``); the files are re-read when they change, and ``on_certificate``
+    is told the served certificate's notAfter at start and on every reload."""
     settings = settings or ScalerSettings()
     context = None
     if tls is not None:
-        context = ReloadingServerContext(tls, client_auth=True, alpn=("h2",), context_class=gevent.ssl.SSLContext)
+        context = ReloadingServerContext(tls, client_auth=True, alpn=("h2",), context_class=gevent.ssl.SSLContext,
+                                         on_loaded=on_certificate)
     servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep, models=models)
     try:
         server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections)

@@ -12,9 +12,12 @@ Lines are tiny and each one carries the complete state, so a reader that falls b
 late only needs the newest line; nothing accumulates.
 
 Back up the child's stdout, one line each time a KEDA stream was told `true` (rare: activations only),
-with the child's CLOCK_MONOTONIC time, which is the same clock as the gateway's on one host:
+with the child's CLOCK_MONOTONIC time, which is the same clock as the gateway's on one host, and, with
+mutual TLS, one line when a certificate starts being served (at start and on every reload) with its
+notAfter, for the gateway's expiry gauge (the child serves no /metrics of its own):
 
     pushed <seconds>
+    certificate <unix seconds>
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
 from scaler.demand import IDLE, Demand, DemandBroadcaster
@@ -31,6 +34,7 @@ from scaler.demand import IDLE, Demand, DemandBroadcaster
 log = logging.getLogger("noctaya.scaler.pipe")
 
 MAX_LINE_BYTES = 256  # a well-formed line is < 60 bytes; anything longer is not from our gateway
+PUSHED, CERTIFICATE = b"pushed", b"certificate"  # the words of the child's lines (see the module docstring)
 
 
 def encode_demand(demand: Demand) -> bytes:
@@ -83,31 +87,45 @@ def mirror_demand(stream: BinaryIO, broadcaster: DemandBroadcaster, on_eof: Call
     return thread
 
 
-def report_pushed(stream: BinaryIO) -> Callable[[float], None]:
-    """The child's side: a callback writing one `pushed <when>` line (from any thread) to `stream`."""
-    lock = threading.Lock()
+class ReportWriter:
+    """The child's side: ``pushed`` and ``certificate`` write one ``<word> <value>`` line each to
+    ``stream``, from any thread, under one lock so lines never interleave."""
 
-    def pushed(when: float) -> None:
-        line = b"pushed %.6f\n" % when
-        with lock:
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def pushed(self, when: float) -> None:
+        """A KEDA stream was told ``true`` at ``when`` (monotonic)."""
+        self._write(PUSHED, when)
+
+    def certificate(self, not_after: float) -> None:
+        """New connections are served a certificate valid until ``not_after`` (at start and on
+        every reload)."""
+        self._write(CERTIFICATE, not_after)
+
+    def _write(self, word: bytes, value: float) -> None:
+        line = b"%s %.6f\n" % (word, value)
+        with self._lock:
             try:
-                stream.write(line)
-                stream.flush()
+                self._stream.write(line)
+                self._stream.flush()
             except (OSError, ValueError):  # the gateway is gone; stdin's EOF ends this process
                 pass
-    return pushed
 
 
-def read_pushed(stream: BinaryIO, on_pushed: Callable[[float], None]) -> None:
-    """The gateway's side: call `on_pushed(when)` for every well-formed line until EOF."""
+def read_reports(stream: BinaryIO, handlers: Mapping[bytes, Callable[[float], None]]) -> None:
+    """The gateway's side: for every well-formed line until EOF call the handler of its first word
+    with its value (finite and positive; anything else is skipped)."""
     while True:
         line = stream.readline(MAX_LINE_BYTES + 1)
         if not line:
             return
-        word, _, value = line.strip().partition(b" ")
+        word, _, raw = line.strip().partition(b" ")
+        handler = handlers.get(word)
         try:
-            when = float(value)
+            value = float(raw)
         except ValueError:
             continue
-        if word == b"pushed" and math.isfinite(when) and when > 0:
-            on_pushed(when)
+        if handler is not None and math.isfinite(value) and value > 0:
+            handler(value)

@@ -34,7 +34,7 @@ from scaler.externalscaler import (
     Status,
     validate_metric_name,
 )
-from scaler.tls import TLSFiles, server_credentials
+from scaler.tls import CertificateListener, TLSFiles, server_credentials
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -185,16 +185,19 @@ def start_scaler_server(
     on_activated: Callable[[float], None] | None = None,
     models: Callable[[str], DemandBroadcaster | None] | None = None,
     model_required: bool = True,
+    on_certificate: CertificateListener | None = None,
 ) -> ScalerServer:
     """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).
 
     ``settings`` overrides the tuning knobs; ``metric_name`` and ``target`` are used when it is None.
+    With ``tls`` files, ``on_certificate`` is told the served certificate's notAfter at start and on
+    every reload.
     """
     if settings is None:
         settings = ScalerSettings(metric_name=metric_name, target=target)
     gevent_mode = ensure_grpc_gevent_compat()
     # Credentials first: bad TLS material fails before any server or pool exists.
-    creds = server_credentials(tls) if isinstance(tls, TLSFiles) else tls
+    creds = server_credentials(tls, on_loaded=on_certificate) if isinstance(tls, TLSFiles) else tls
     if _per_method_pools_supported():
         # + a few threads that only ever answer RESOURCE_EXHAUSTED to streams over the cap, at once
         stream_pool = futures.ThreadPoolExecutor(settings.max_streams + _REFUSAL_THREADS,

@@ -1,29 +1,36 @@
-"""TLS of the scaler: mutual TLS for the gRPC ExternalScaler, server TLS for the report channel.
+"""TLS of the scaler: mutual TLS for the gRPC ExternalScaler, server TLS for the report channel (and,
+through the same reloading context, the hook server's HTTPS).
 
 KEDA presents its client certificate from a TriggerAuthentication (``tlsClientCert`` /
 ``tlsClientKey``, verified against ``caCert``); the scaler only needs its own Secret mounted as
 files. The aggregate scaler serves gateways' demand reports with the same certificate (the gateways
 verify it against the Secret's ``ca.crt`` and authenticate with their bearer token). The files are
-re-read when they change (checked at each new TLS handshake), so a renewed Secret (cert-manager)
-takes effect without a restart.
+re-read when they change (checked at each new TLS handshake), so a renewed Secret (cert-manager, or
+the kubelet swapping a Secret volume's ``..data`` link) takes effect without a restart. Each server
+reports the ``notAfter`` of the certificate it presents (``on_loaded``) for the expiry gauge
+``noctaya_tls_certificate_not_after_timestamp_seconds``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import ssl
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scaler.secretfiles import file_stamp
+from scaler.x509 import not_after
 
 if TYPE_CHECKING:
     import grpc
+    from prometheus_client.core import Metric
 
-__all__ = ["TLSFiles", "TLSConfigError", "ReloadingServerContext", "check_served_certificate", "server_credentials",
-           "tls_files_from_env"]
+__all__ = ["TLSFiles", "TLSConfigError", "ReloadingServerContext", "ServedCertificates", "certificate_family",
+           "check_served_certificate", "server_credentials", "tls_files_from_env"]
 
 log = logging.getLogger("noctaya.scaler.tls")
 
@@ -31,6 +38,14 @@ ENV_CERT = "NOCTAYA_SCALER_TLS_CERT_FILE"
 ENV_KEY = "NOCTAYA_SCALER_TLS_KEY_FILE"
 ENV_CA = "NOCTAYA_SCALER_TLS_CA_FILE"
 MAX_PEM_BYTES = 1 << 20  # a PEM bundle larger than 1 MiB is a mistake, not a certificate
+
+# The certificate-expiry gauge every TLS-serving process exports (hooks.metrics, gateway.metrics, the
+# aggregate scaler). Its one label is the listener's fixed role, never anything read from a certificate.
+CERTIFICATE_METRIC = "noctaya_tls_certificate_not_after_timestamp_seconds"
+CERTIFICATE_HELP = ("notAfter (Unix time) of the certificate this process presents to new TLS connections, by "
+                    "listener: hooks (the hook server), scaler (KEDA's ExternalScaler), report (the aggregate "
+                    "scaler's report port). Updated when a rotated certificate is loaded.")
+CERTIFICATE_ROLES = ("hooks", "scaler", "report")
 
 
 class TLSConfigError(ValueError):
@@ -41,14 +56,7 @@ class TLSConfigError(ValueError):
 class TLSFiles:
     cert_file: str
     key_file: str
-    ca_file: str
-
-    def read(self) -> tuple[bytes, bytes, bytes]:
-        """(cert chain, private key, client CA bundle) as PEM bytes."""
-        return _read_pem(self.cert_file), _read_pem(self.key_file), _read_pem(self.ca_file)
-
-    def fingerprint(self) -> tuple[tuple[int, int, int], ...]:
-        return file_stamp(self.cert_file, self.key_file, self.ca_file)
+    ca_file: str = ""  # the CA that signs client certificates: mutual TLS only
 
 
 def _read_pem(path: str) -> bytes:
@@ -77,64 +85,66 @@ def tls_files_from_env(env: Mapping[str, str]) -> TLSFiles | None:
     return TLSFiles(values[ENV_CERT], values[ENV_KEY], values[ENV_CA])
 
 
-def _certificate_configuration(files: TLSFiles) -> grpc.ServerCertificateConfiguration:
+CertificateListener = Callable[[float], None]
+"""Told the ``notAfter`` (seconds since the epoch) of each certificate a server starts presenting."""
+
+
+def server_credentials(files: TLSFiles, *, on_loaded: CertificateListener | None = None) -> grpc.ServerCredentials:
+    """grpcio server credentials that require and verify a client certificate signed by the CA file.
+
+    grpc asks ``fetch`` before every new handshake; it answers with new material only when the files
+    changed and load together (checked by :class:`ReloadingServerContext`, which logs a refusal), so
+    a half-written or broken update keeps the previous, working material.
+    """
     import grpc  # here, not at the top: a one-worker gateway serves mTLS without grpcio (scaler.h2server)
 
-    cert, key, ca = files.read()
-    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+    reloading = ReloadingServerContext(files, client_auth=True, on_loaded=on_loaded)  # fails fast at startup
+    generation, material = reloading.loaded()
+    served = [generation]
 
-
-def server_credentials(files: TLSFiles, *, reload: bool = True) -> grpc.ServerCredentials:
-    """Server credentials that require and verify a client certificate signed by the CA file.
-
-    With ``reload`` the files are checked at each new handshake and re-read when they changed; a
-    half-written or broken update keeps the previous (working) material and is logged.
-    """
-    import grpc
-
-    initial = _certificate_configuration(files)  # fail fast at startup on bad material
-    if not reload:
-        cert, key, ca = files.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-
-    state = {"fingerprint": files.fingerprint()}
+    def configuration(material: tuple[bytes, bytes, bytes]) -> grpc.ServerCertificateConfiguration:
+        cert, key, ca = material
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:
-        try:
-            fingerprint = files.fingerprint()
-            if fingerprint == state["fingerprint"]:
-                return None
-            config = _certificate_configuration(files)
-        except (OSError, TLSConfigError) as exc:
-            log.warning("TLS material changed but cannot be loaded, keeping the previous one: %s", exc)
+        reloading.current()
+        generation, material = reloading.loaded()
+        if generation == served[0]:
             return None
-        state["fingerprint"] = fingerprint
-        log.info("TLS material reloaded")
-        return config
+        served[0] = generation
+        return configuration(material)
 
-    return grpc.dynamic_ssl_server_credentials(initial, fetch, require_client_authentication=True)
+    return grpc.dynamic_ssl_server_credentials(configuration(material), fetch, require_client_authentication=True)
 
 
 class ReloadingServerContext:
     """An ``ssl.SSLContext`` for a TLS server, rebuilt when its files change; ``current()`` is asked
-    at each new connection. Material that cannot be loaded (a half-written rotation) keeps the last
-    good context and is logged once.
+    at each new connection. Material that cannot be loaded (a half-written rotation, a key that is not
+    the certificate's) keeps the last good context and is logged once, saying why.
 
-    Plain server TLS by default (the report channel: gateways authenticate with a bearer token).
-    With ``client_auth`` a client certificate signed by the CA file is required (mutual TLS, as KEDA
-    presents it to the ExternalScaler), and ``alpn`` names the protocols offered (``h2`` for gRPC).
-    ``context_class`` lets a gevent server build cooperative contexts (``gevent.ssl.SSLContext``)."""
+    Plain server TLS by default (the report channel, the hook server). With ``client_auth`` a client
+    certificate signed by the CA file is required (mutual TLS, as KEDA presents it to the
+    ExternalScaler), and ``alpn`` names the protocols offered (``h2`` for gRPC). ``context_class``
+    lets a gevent server build cooperative contexts (``gevent.ssl.SSLContext``). ``on_loaded`` is
+    told the certificate's ``notAfter`` at startup and on every reload (the expiry gauges)."""
 
     def __init__(self, files: TLSFiles, *, client_auth: bool = False, alpn: Sequence[str] = (),
-                 context_class: Callable[[int], ssl.SSLContext] = ssl.SSLContext) -> None:
+                 context_class: Callable[[int], ssl.SSLContext] = ssl.SSLContext,
+                 on_loaded: CertificateListener | None = None) -> None:
         self._files = files
         self._client_auth = client_auth
         self._alpn = list(alpn)
         self._context_class = context_class
+        self._on_loaded = on_loaded
         self._lock = threading.Lock()
-        self._context = self._build()  # fail fast at startup on bad material (naming the file)
-        self._stamp = self._file_stamp()
+        # The stamp before the read: a rotation landing in between is seen (and loaded) at the next check.
+        self._stamp: tuple[tuple[int, int, int], ...] | None = None
+        with contextlib.suppress(OSError):  # a missing file: _build names it
+            self._stamp = self._file_stamp()
+        self._context, self._material, self.not_after = self._build()  # fails fast at startup, naming the file
+        self._generation = 0  # bumped on every reload
         self._refused: tuple[object, ...] | None = None  # material that failed to load, not retried
+        self._announce()
 
     def _paths(self) -> tuple[str, ...]:
         files = self._files
@@ -143,16 +153,32 @@ class ReloadingServerContext:
     def _file_stamp(self) -> tuple[tuple[int, int, int], ...]:
         return file_stamp(*self._paths())
 
-    def _build(self) -> ssl.SSLContext:
-        for path in self._paths():
-            _read_pem(path)  # its errors name the file, the ssl module's do not
+    def _read(self) -> tuple[bytes, ...]:
+        return tuple(_read_pem(path) for path in self._paths())  # its errors name the file, the ssl module's do not
+
+    def _build(self) -> tuple[ssl.SSLContext, tuple[bytes, bytes, bytes], float]:
+        """(context, the PEM bytes it holds: cert, key, CA or b"", the certificate's notAfter)."""
+        material = self._read()
+        try:
+            expires = not_after(material[0])
+        except ValueError as exc:
+            raise TLSConfigError(f"{self._files.cert_file}: {exc}") from None
+        context = self._load()
+        if self._read() != material:
+            # The files were swapped while being read: what was loaded may mix two versions.
+            raise TLSConfigError(f"{self._files.cert_file} changed while being loaded")
+        cert, key, *ca = material
+        return context, (cert, key, ca[0] if ca else b""), expires
+
+    def _load(self) -> ssl.SSLContext:
         context = self._context_class(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         try:
-            context.load_cert_chain(self._files.cert_file, self._files.key_file)
-        except ssl.SSLError:
+            # An encrypted key fails to load instead of OpenSSL prompting on a terminal for its password.
+            context.load_cert_chain(self._files.cert_file, self._files.key_file, password=lambda: b"")
+        except ssl.SSLError as exc:
             raise TLSConfigError(f"{self._files.cert_file} and {self._files.key_file} do not load as a "
-                                 "certificate and its key") from None
+                                 f"certificate and its key ({exc.reason or 'unreadable'})") from None
         if self._client_auth:
             try:
                 context.load_verify_locations(cafile=self._files.ca_file)
@@ -173,16 +199,68 @@ class ReloadingServerContext:
             if stamp == self._stamp or stamp == self._refused:
                 return self._context
             try:
-                self._context, self._stamp, self._refused = self._build(), stamp, None
-                log.info("TLS material reloaded")
+                self._context, self._material, self.not_after = self._build()
             except TLSConfigError as exc:
                 self._warn_once(stamp, str(exc))
+                return self._context
+            self._stamp, self._refused = stamp, None
+            self._generation += 1
+            log.info("TLS material reloaded: %s is valid until %s", self._files.cert_file,
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.not_after)))
+            self._announce()
             return self._context
+
+    def loaded(self) -> tuple[int, tuple[bytes, bytes, bytes]]:
+        """(reload count, the PEM bytes of the current context: cert, key, CA or b""), for a server
+        (grpcio) that takes its material as bytes rather than as an ``ssl.SSLContext``."""
+        with self._lock:
+            return self._generation, self._material
+
+    def _announce(self) -> None:
+        if self._on_loaded is not None:
+            self._on_loaded(self.not_after)
 
     def _warn_once(self, stamp: tuple[object, ...], reason: str) -> None:
         if stamp != self._refused:
             self._refused = stamp  # type: ignore[assignment]
             log.warning("TLS material changed but cannot be loaded, keeping the previous one: %s", reason)
+
+
+class ServedCertificates:
+    """The ``notAfter`` of the certificate each TLS listener of this process presents, by role; a
+    Prometheus collector (the aggregate scaler registers it beside its own metrics)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def listener(self, role: str) -> CertificateListener:
+        """What a server is given as ``on_loaded`` for its ``role`` (one of CERTIFICATE_ROLES)."""
+        if role not in CERTIFICATE_ROLES:
+            raise ValueError(f"unknown certificate role {role!r}")
+
+        def record(expires: float) -> None:
+            with self._lock:
+                self._values[role] = expires
+        return record
+
+    def values(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+    def collect(self) -> Iterator[Metric]:
+        if self._values:
+            yield certificate_family(self.values())
+
+
+def certificate_family(values: Mapping[str, float]) -> Metric:
+    """The expiry gauge, one sample per role, for a collector to yield."""
+    from prometheus_client.core import GaugeMetricFamily  # on first scrape: a gateway imports it lazily too
+
+    family = GaugeMetricFamily(CERTIFICATE_METRIC, CERTIFICATE_HELP, labels=["role"])
+    for role, expires in sorted(values.items()):
+        family.add_metric([role], expires)
+    return family
 
 
 def check_served_certificate(files: TLSFiles, server_name: str | None = None) -> None:

@@ -45,8 +45,9 @@ QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, DRAINING, ALIVE, PID, TRANSITION
 METRIC_CELLS = HELD + 1  # first cell gateway.metrics may use
 ROW_CELLS = 1024  # 8 KiB per worker: demand fields + metric counters (see gateway.metrics.Layout)
 # Pod-wide cells after the rows: held body bytes, when demand was last pushed active, the start
-# of the activation being timed (0 = none) and the worker timing it.
-_HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT, _ACTIVATION_OWNER = range(4)
+# of the activation being timed (0 = none) and the worker timing it, the notAfter of the certificate
+# the Pod's ExternalScaler serves (0 = no TLS).
+_HELD_BYTES, _PUSHED_AT, _ACTIVATION_AT, _ACTIVATION_OWNER, _SCALER_NOT_AFTER = range(5)
 
 LOCK_PATIENCE_SECONDS = 1.0  # see PodState._lock_after_a_death
 # The demand sampler's longest sleep while nothing can change without waking it. Not a need: every
@@ -117,6 +118,16 @@ class PodState:
     @property
     def pushed_at(self) -> float:
         return self.cells[self._pod + _PUSHED_AT]
+
+    # -- the scaler's certificate (written where the ExternalScaler runs, read by /metrics) ---------
+    def mark_scaler_certificate(self, not_after: float) -> None:
+        """The Pod's ExternalScaler (on this loop, or the scaler child, whose pipe the supervisor
+        reads) now serves a certificate valid until ``not_after`` (Unix time)."""
+        self.cells[self._pod + _SCALER_NOT_AFTER] = not_after
+
+    @property
+    def scaler_certificate_not_after(self) -> float:
+        return self.cells[self._pod + _SCALER_NOT_AFTER]
 
     def claim_activation(self, now: float, stale_after: float, worker: int = 0) -> bool:
         """True when no activation of the Pod is being timed (or the one claimed has gone stale): the

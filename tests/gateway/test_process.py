@@ -8,6 +8,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -282,6 +283,55 @@ def test_report_mode_over_tls_reaches_a_real_aggregator(backend, tmp_path) -> No
     finally:
         gw.stop()
         aggregator.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+@PROCESS_MODELS
+def test_the_admin_metrics_show_the_expiry_of_the_scaler_certificate_served(backend, tmp_path, workers,
+                                                                              children) -> None:
+    """With scaler TLS, /metrics says until when the ExternalScaler's certificate is valid: on one
+    process, the h2 server's own; with workers, the one the grpcio child loaded, sent up its pipe. A
+    renewal the kubelet swaps in is served to KEDA's next connection and shown, without a restart."""
+    from tests.pki import SecretVolume, certificate_dates, expiry_gauges, make_ca, make_leaf, presented_certificate
+
+    make_ca(tmp_path, "ca")
+    make_leaf(tmp_path, "first", "ca", days=2)
+    make_leaf(tmp_path, "renewed", "ca", days=3)
+    keda = make_leaf(tmp_path, "keda", "ca", usage="clientAuth")
+    secret = SecretVolume(tmp_path / "secret", {"tls.crt": tmp_path / "first.crt", "tls.key": tmp_path / "first.key",
+                                                "ca.crt": tmp_path / "ca.crt"})
+    gw = GatewayProcess(backend, NOCTAYA_GATEWAY_WORKERS=workers, NOCTAYA_SCALER_TLS_CERT_FILE=str(secret / "tls.crt"),
+                        NOCTAYA_SCALER_TLS_KEY_FILE=str(secret / "tls.key"),
+                        NOCTAYA_SCALER_TLS_CA_FILE=str(secret / "ca.crt"))
+
+    def gauges() -> dict[str, float]:
+        return expiry_gauges(requests.get(gw.admin_url + "/metrics", timeout=5).text)
+
+    def presented() -> tuple[int, float]:
+        return presented_certificate(gw.scaler_port, tmp_path / "ca.crt", client=keda, alpn=["h2"])
+
+    first = certificate_dates((tmp_path / "first.crt").read_bytes())
+    renewed = certificate_dates((tmp_path / "renewed.crt").read_bytes())
+    try:
+        wait_for(lambda: len(child_pids(gw.proc.pid)) == children, timeout=20, what=f"{children} child processes")
+        wait_for(lambda: port_open(gw.scaler_port), timeout=20, what="the scaler listening")
+        assert presented() == first
+        wait_for(lambda: gauges() == {"scaler": first[1]}, timeout=10, what="the expiry on /metrics")
+        secret.write({"tls.crt": tmp_path / "renewed.crt", "tls.key": tmp_path / "renewed.key",
+                      "ca.crt": tmp_path / "ca.crt"})
+        assert presented() == renewed  # KEDA's next connection
+        # At once on one process; the child's line crosses a pipe to the supervisor first.
+        wait_for(lambda: gauges() == {"scaler": renewed[1]}, timeout=10, what="the renewed expiry on /metrics")
+    finally:
+        gw.stop()
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def scaler_children(gateway_pid: int) -> list[int]:

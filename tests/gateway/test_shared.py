@@ -568,13 +568,14 @@ def test_two_reporting_shared_gateways_scale_each_model_through_the_aggregator(b
 @pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl CLI")
 def test_a_shared_gateways_scaler_serves_mutual_tls_per_model(backends, tmp_path) -> None:
     """Scaler TLS in a shared gateway (local mode): the same three files as a per-model gateway's; KEDA's
-    client certificate gets each model's answer, a client without one gets nothing."""
+    client certificate gets each model's answer, a client without one gets nothing; /metrics shows the
+    certificate's expiry."""
     import grpc
 
     from scaler import externalscaler_pb2 as pb
     from scaler import externalscaler_pb2_grpc as pb_grpc
     from tests.gateway.fakebackend import free_port
-    from tests.pki import make_ca, make_leaf
+    from tests.pki import certificate_dates, expiry_gauges, make_ca, make_leaf
 
     for ca in ("ca", "rogue-ca"):
         make_ca(tmp_path, ca)
@@ -583,9 +584,9 @@ def test_a_shared_gateways_scaler_serves_mutual_tls_per_model(backends, tmp_path
     make_leaf(tmp_path, "intruder", "rogue-ca", "clientAuth")
     table = tmp_path / "models.json"
     table.write_text(json.dumps({"models": [{"name": n, "backendURL": backends[n].url} for n in ("a", "b")]}))
-    scaler = free_port()
+    scaler, admin = free_port(), free_port()
     proc, port = _start_gateway_process(
-        table, NOCTAYA_SCALER_MODE="local", NOCTAYA_SCALER_PORT=str(scaler),
+        table, NOCTAYA_SCALER_MODE="local", NOCTAYA_SCALER_PORT=str(scaler), NOCTAYA_ADMIN_PORT=str(admin),
         NOCTAYA_SCALER_TLS_CERT_FILE=str(tmp_path / "server.crt"),
         NOCTAYA_SCALER_TLS_KEY_FILE=str(tmp_path / "server.key"), NOCTAYA_SCALER_TLS_CA_FILE=str(tmp_path / "ca.crt"))
 
@@ -606,6 +607,10 @@ def test_a_shared_gateways_scaler_serves_mutual_tls_per_model(backends, tmp_path
         keda_channel, keda = stub("keda")
         channels.append(keda_channel)
         assert keda.IsActive(ref("a"), timeout=10).result is False
+        # The Pod-wide answers (model="") include until when the scaler's certificate is valid.
+        metrics = requests.get(f"http://127.0.0.1:{admin}/metrics", timeout=5).text
+        assert expiry_gauges(metrics) == {"scaler": certificate_dates((tmp_path / "server.crt").read_bytes())[1]}
+        assert 'noctaya_tls_certificate_not_after_timestamp_seconds{model="",role="scaler"}' in metrics
         result: list[int] = []
         cold = threading.Thread(target=lambda: result.append(requests.post(
             f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": "b", "messages": MESSAGES},

@@ -116,13 +116,15 @@ def test_metric_name_extraction() -> None:
 
 
 def exported_metric_names() -> set[str]:
-    """Sample names the gateway and hook server expose (counters with _total, histogram series)."""
+    """Sample names the gateway and hook server expose (counters with _total, histogram series; the
+    certificate-expiry gauge, which the hook server and aggregate scaler export too, from a gateway)."""
     gateway = GatewayMetrics()
     gateway.count_response(200)
     for reason in REJECTION_REASONS:
         gateway.reject(reason)
     gateway.activation_duration.observe(1)
     gateway.ttfb.observe(0.1)
+    gateway.pod.mark_scaler_certificate(2e9)  # exported with scaler TLS only
     hooks = HookMetrics()
     hooks.prime(["llmservice_sync"])
     hooks.observe_pool("example", None, {"yielding": [{"scaledObject": "ns/a-backend", "for": "ns/c-backend-0"}]})

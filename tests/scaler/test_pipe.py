@@ -73,13 +73,18 @@ def test_mirror_over_a_real_pipe_wakes_waiters() -> None:
     assert broadcaster.current() == IDLE
 
 
-def test_pushed_lines_round_trip_and_garbage_is_skipped() -> None:
-    from scaler.pipe import read_pushed, report_pushed
+def test_pushed_and_certificate_lines_round_trip_and_garbage_is_skipped() -> None:
+    from scaler.pipe import CERTIFICATE, PUSHED, ReportWriter, read_reports
 
     out = io.BytesIO()
     before = time.monotonic()
-    report_pushed(out)(time.monotonic())
+    reports = ReportWriter(out)
+    reports.pushed(time.monotonic())
+    reports.certificate(1893456000.0)
     seen: list[float] = []
-    stream = io.BytesIO(out.getvalue() + b"pushed nan\npushed -1\nhello 5\n" + b"x" * 1000 + b"\npushed 12.5\n")
-    read_pushed(stream, seen.append)
+    expiry: list[float] = []
+    stream = io.BytesIO(out.getvalue() + b"pushed nan\npushed -1\nhello 5\ncertificate inf\n" + b"x" * 1000
+                        + b"\npushed 12.5\n")
+    read_reports(stream, {PUSHED: seen.append, CERTIFICATE: expiry.append})
     assert len(seen) == 2 and before <= seen[0] <= time.monotonic() and seen[1] == 12.5
+    assert expiry == [1893456000.0]

@@ -1,5 +1,6 @@
 """The gateway → aggregator report channel over TLS: a real aggregator serving HTTPS with the scaler
-certificate, real DemandReporters verifying it with the Secret's CA, certificates made by openssl."""
+certificate, real DemandReporters verifying it with the Secret's CA, certificates made by openssl.
+Rotating the certificate in-process: test_rotation.py; here, in a real `python -m scaler aggregate`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ from scaler.aggregator import Aggregator, AggregatorSettings
 from scaler.demand import Demand, DemandBroadcaster
 from scaler.reporter import DemandReporter
 from scaler.tls import TLSConfigError, TLSFiles, check_served_certificate
-from tests.pki import make_ca, make_leaf
+from tests.pki import (
+    SecretVolume,
+    bundle,
+    certificate_dates,
+    expiry_gauges,
+    make_ca,
+    make_leaf,
+    presented_certificate,
+)
 
 from .conftest import wait_until
 
@@ -38,19 +47,21 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
         make_ca(d, ca)
     sans = f"DNS:{NAME},DNS:localhost,IP:127.0.0.1"
     make_leaf(d, "server", "ca", sans=sans)
-    make_leaf(d, "server2", "ca2", sans=sans)
+    make_leaf(d, "server2", "ca2", sans=sans, days=3)  # outlives "server": the gauges tell them apart
+    make_leaf(d, "keda", "ca", usage="clientAuth")
+    bundle(d, "both", "ca", "ca2")
     make_leaf(d, "elsewhere", "ca", sans="DNS:other.models.svc.cluster.local")
     return d
 
 
+def secret_files(pki: Path, cert: str = "server", ca: str = "ca") -> dict[str, Path]:
+    return {"tls.crt": pki / f"{cert}.crt", "tls.key": pki / f"{cert}.key", "ca.crt": pki / f"{ca}.crt"}
+
+
 def secret_dir(pki: Path, d: Path, cert: str = "server", ca: str = "ca") -> TLSFiles:
     """A directory laid out like the mounted scaler TLS Secret."""
-    d.mkdir(exist_ok=True)
-    for src, dst in ((f"{cert}.crt", "tls.crt"), (f"{cert}.key", "tls.key"), (f"{ca}.crt", "ca.crt")):
-        tmp = d / (dst + ".new")
-        shutil.copyfile(pki / src, tmp)
-        tmp.replace(d / dst)  # a new inode, as the kubelet's symlink swap gives
-    return TLSFiles(str(d / "tls.crt"), str(d / "tls.key"), str(d / "ca.crt"))
+    volume = SecretVolume(d, secret_files(pki, cert, ca))
+    return TLSFiles(str(volume / "tls.crt"), str(volume / "tls.key"), str(volume / "ca.crt"))
 
 
 @pytest.fixture
@@ -184,25 +195,6 @@ def _closed(sock: socket.socket) -> bool:
         return False
 
 
-def test_a_rotated_certificate_is_served_from_the_next_connection(tls_aggregator, token_file, pki, tmp_path) -> None:
-    agg, files = tls_aggregator
-    secret_dir(pki, Path(files.cert_file).parent, cert="server2", ca="ca2")  # cert-manager renewed with a new CA
-    fresh, _ = reporter(agg, token_file, files.ca_file, Demand(queued=6))  # the gateway's Secret copy: ca2 as well
-    assert fresh._post(Demand(queued=6)) is True
-    fresh.stop()
-    stale, _ = reporter(agg, token_file, str(pki / "ca.crt"), Demand(queued=1))
-    assert stale._post(Demand(queued=1)) is False  # the old CA no longer verifies what is served
-    stale.stop(withdraw=False)
-
-
-def test_a_half_written_rotation_keeps_serving_the_last_good_certificate(tls_aggregator, token_file) -> None:
-    agg, files = tls_aggregator
-    Path(files.key_file).write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
-    good, _ = reporter(agg, token_file, files.ca_file, Demand(queued=1))
-    assert good._post(Demand(queued=1)) is True
-    good.stop()
-
-
 def test_the_startup_check_does_what_a_gateway_will_do(pki: Path, tmp_path: Path) -> None:
     check_served_certificate(secret_dir(pki, tmp_path / "ok"), NAME)
     check_served_certificate(secret_dir(pki, tmp_path / "ok"))  # chain only
@@ -229,26 +221,49 @@ def test_the_aggregate_scaler_refuses_a_secret_whose_ca_did_not_sign_its_certifi
     assert "PRIVATE KEY" not in proc.stderr + termination.read_text()
 
 
-def test_the_aggregate_scaler_serves_reports_over_tls(pki, tmp_path, token_file) -> None:
-    files = secret_dir(pki, tmp_path / "secret")
+def test_the_aggregate_scaler_serves_reports_over_tls_and_the_expiry_of_what_it_serves(pki, tmp_path,
+                                                                                        token_file) -> None:
+    volume = SecretVolume(tmp_path / "secret", secret_files(pki))
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "scaler", "aggregate", "--host", "127.0.0.1", "--report-port", str(port),
-         "--scaler-port", "0", "--aggregator-token-file", str(token_file), "--scaler-tls-cert-file", files.cert_file,
-         "--scaler-tls-key-file", files.key_file, "--scaler-tls-ca-file", files.ca_file, "--report-server-name", NAME],
+         "--scaler-port", "0", "--aggregator-token-file", str(token_file),
+         "--scaler-tls-cert-file", str(volume / "tls.crt"), "--scaler-tls-key-file", str(volume / "tls.key"),
+         "--scaler-tls-ca-file", str(volume / "ca.crt"), "--report-server-name", NAME],
         cwd=ROOT, stderr=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin"},
     )
+    trust = pki / "both.crt"
+
+    def presented() -> dict[str, tuple[int, float]]:
+        return {"report": presented_certificate(port, trust),
+                "scaler": presented_certificate(grpc_port, trust, client=(pki / "keda.crt", pki / "keda.key"),
+                                                alpn=["h2"])}
+
+    def gauges() -> dict[str, float]:
+        return expiry_gauges(requests.get(f"https://localhost:{port}/metrics", verify=str(trust), timeout=5).text)
+
     try:
         line = _read_line(proc, "aggregate scaler:")
         assert "HTTPS reports" in line
-        health = requests.get(f"https://localhost:{port}/healthz", verify=files.ca_file, timeout=5)
+        grpc_port = int(line.rsplit(":", 1)[1])
+        health = requests.get(f"https://localhost:{port}/healthz", verify=str(trust), timeout=5)
         assert health.status_code == 200
         body = {"member": "g", "seq": 1, "queued": 2}
-        r = requests.post(f"https://localhost:{port}/v1/report", json=body, verify=files.ca_file, timeout=5,
+        r = requests.post(f"https://localhost:{port}/v1/report", json=body, verify=str(trust), timeout=5,
                           headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 200 and r.json()["outcome"] == "accepted"
+        first = certificate_dates((pki / "server.crt").read_bytes())
+        assert presented() == {"report": first, "scaler": first}
+        assert gauges() == {"report": first[1], "scaler": first[1]}
+
+        # The kubelet swaps the Secret: a certificate from a new CA, both CAs trusted meanwhile.
+        volume.write(secret_files(pki, cert="server2", ca="both"))
+        renewed = certificate_dates((pki / "server2.crt").read_bytes())
+        assert presented() == {"report": renewed, "scaler": renewed}  # new connections, same process
+        assert gauges() == {"report": renewed[1], "scaler": renewed[1]}
+        assert proc.poll() is None
     finally:
         proc.terminate()
         proc.wait(15)

@@ -1,5 +1,5 @@
 """Mutual TLS of the gRPC scaler (both hosts: grpcio and h2 on gevent), with certificates made at test
-time by the openssl CLI."""
+time by the openssl CLI. Rotating the certificate: test_rotation.py."""
 
 from __future__ import annotations
 
@@ -20,30 +20,20 @@ from .conftest import start_scaler
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
 
-def _ca(d: Path, name: str) -> None:
-    make_ca(d, name)
-
-
-def _leaf(d: Path, name: str, ca: str, usage: str) -> None:
-    make_leaf(d, name, ca, usage)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("pki")
-    for ca in ("ca", "rogue-ca", "ca2"):
-        _ca(d, ca)
-    _leaf(d, "server", "ca", "serverAuth")
-    _leaf(d, "keda", "ca", "clientAuth")
-    _leaf(d, "intruder", "rogue-ca", "clientAuth")
-    _leaf(d, "server2", "ca2", "serverAuth")
-    _leaf(d, "keda2", "ca2", "clientAuth")
+    for ca in ("ca", "rogue-ca"):
+        make_ca(d, ca)
+    make_leaf(d, "server", "ca", "serverAuth")
+    make_leaf(d, "keda", "ca", "clientAuth")
+    make_leaf(d, "intruder", "rogue-ca", "clientAuth")
     return d
 
 
-def _stub(port: int, pki: Path, client: str | None, ca: str = "ca") -> tuple[grpc.Channel, pb_grpc.ExternalScalerStub]:
+def _stub(port: int, pki: Path, client: str | None) -> tuple[grpc.Channel, pb_grpc.ExternalScalerStub]:
     creds = grpc.ssl_channel_credentials(
-        root_certificates=(pki / f"{ca}.crt").read_bytes(),
+        root_certificates=(pki / "ca.crt").read_bytes(),
         private_key=(pki / f"{client}.key").read_bytes() if client else None,
         certificate_chain=(pki / f"{client}.crt").read_bytes() if client else None,
     )
@@ -52,20 +42,15 @@ def _stub(port: int, pki: Path, client: str | None, ca: str = "ca") -> tuple[grp
 
 
 @pytest.fixture
-def mtls_server(pki: Path, tmp_path: Path, scaler_host: str):
-    # Copies, so the rotation test can replace them like a Secret volume update.
-    live = tmp_path / "live"
-    live.mkdir()
-    for src, dst in (("server.crt", "tls.crt"), ("server.key", "tls.key"), ("ca.crt", "ca.crt")):
-        shutil.copyfile(pki / src, live / dst)
-    files = TLSFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt"))
+def mtls_server(pki: Path, scaler_host: str):
+    files = TLSFiles(str(pki / "server.crt"), str(pki / "server.key"), str(pki / "ca.crt"))
     server = start_scaler(scaler_host, DemandBroadcaster(Demand(queued=1)), tls=files)
-    yield server, live
+    yield server
     server.stop(1.0)
 
 
 def test_client_with_certificate_is_served(mtls_server, pki) -> None:
-    server, _ = mtls_server
+    server = mtls_server
     channel, stub = _stub(server.port, pki, "keda")
     with channel:
         assert stub.IsActive(pb.ScaledObjectRef(), timeout=10).result is True
@@ -76,7 +61,7 @@ def test_client_with_certificate_is_served(mtls_server, pki) -> None:
 
 @pytest.mark.parametrize("client", [None, "intruder"])
 def test_client_without_a_valid_certificate_is_refused(mtls_server, pki, client) -> None:
-    server, _ = mtls_server
+    server = mtls_server
     channel, stub = _stub(server.port, pki, client)
     with channel, pytest.raises(grpc.RpcError) as err:
         stub.IsActive(pb.ScaledObjectRef(), timeout=10)
@@ -84,23 +69,9 @@ def test_client_without_a_valid_certificate_is_refused(mtls_server, pki, client)
 
 
 def test_plaintext_client_is_refused(mtls_server) -> None:
-    server, _ = mtls_server
+    server = mtls_server
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError):
         pb_grpc.ExternalScalerStub(channel).IsActive(pb.ScaledObjectRef(), timeout=5)
-
-
-def test_rotated_secret_takes_effect_without_restart(mtls_server, pki) -> None:
-    server, live = mtls_server
-    for src, dst in (("server2.crt", "tls.crt"), ("server2.key", "tls.key"), ("ca2.crt", "ca.crt")):
-        tmp = live / (dst + ".new")
-        shutil.copyfile(pki / src, tmp)
-        tmp.replace(live / dst)  # atomic swap, new inode, like kubelet's symlink flip
-    channel, stub = _stub(server.port, pki, "keda2", ca="ca2")
-    with channel:
-        assert stub.IsActive(pb.ScaledObjectRef(), timeout=10).result is True
-    old_channel, old_stub = _stub(server.port, pki, "keda", ca="ca")
-    with old_channel, pytest.raises(grpc.RpcError):
-        old_stub.IsActive(pb.ScaledObjectRef(), timeout=10)
 
 
 def test_env_needs_all_three_files(pki) -> None:
