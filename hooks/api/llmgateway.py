@@ -111,7 +111,9 @@ class LLMGatewayStatus(_StatusModel):
         default_factory=list, description="The routed models by served name, in table order (sorted by name)."
     )
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Accepted (the spec) and MembersAccepted (membership problems).",
+        default_factory=list,
+        description="Ready, Accepted (the spec, and whether the namespace is enabled for LLMGateways) and "
+        "MembersAccepted (membership problems).",
         json_schema_extra=_CONDITION_LIST,
     )
 
