@@ -120,7 +120,9 @@ class LLMGatewayStatus(_StatusModel):
     pending_upgrade: PendingUpgrade | None = Field(
         default=None, description="Noctaya's own changes waiting to reach the shared gateway's Pods (absent: none).")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Accepted (the spec) and MembersAccepted (membership problems).",
+        default_factory=list,
+        description="Ready, Accepted (the spec, and whether the namespace is enabled for LLMGateways) and "
+        "MembersAccepted (membership problems).",
         json_schema_extra=_CONDITION_LIST,
     )
 

@@ -9,6 +9,10 @@ same behind its own gateway and behind a shared one.
 Never destructive:
 - an invalid LLMGateway spec keeps every observed child unchanged (Metacontroller deletes whatever a
   response omits) and says InvalidSpec;
+- so does a namespace not enabled for LLMGateways (NamespaceNotEnabled): Metacontroller may write
+  ConfigMaps only where the RoleBinding `noctaya-llmgateway` grants it (metacontroller/rbac.yaml), so
+  the routing table could not be created or updated there, and a gateway Pod would wait forever for
+  its volume; nothing new is rendered until the RoleBinding exists;
 - a member that no longer parses, or whose runtime cannot be resolved, keeps the entry it had in the
   observed routing ConfigMap (found through the previous status.models), and MembersAccepted names it;
 - two members with one served name: the older (creationTimestamp, then name) is routed, the other
@@ -50,6 +54,14 @@ from hooks.resources.context import RenderContext
 
 LLMSERVICE = f"LLMService.{API_VERSION}"
 CONFIGMAP = "ConfigMap.v1"
+RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
+ROLEBINDING = f"RoleBinding.{RBAC_API_VERSION}"
+# A namespace is enabled for LLMGateways by this RoleBinding of this ClusterRole (ConfigMap write) to
+# Metacontroller: metacontroller/llmgateway-namespace/rolebinding.yaml, or the chart's
+# llmGateway.namespaces. Its presence is the signal, read as a related object.
+NAMESPACE_ROLEBINDING = "noctaya-llmgateway"
+NAMESPACE_CLUSTERROLE = "noctaya-metacontroller-llmgateway"
+ENABLE_DOCS = 'docs/install.md, "Enabling a namespace for LLMGateways"'
 
 ACCEPTED = "Accepted"
 MEMBERS_ACCEPTED = "MembersAccepted"
@@ -60,6 +72,7 @@ class GatewayReason(StrEnum):
     INVALID_SPEC = "InvalidSpec"
     ALL_MEMBERS_ACCEPTED = "AllMembersAccepted"
     NOT_EVALUATED = "NotEvaluated"
+    NAMESPACE_NOT_ENABLED = "NamespaceNotEnabled"
     # Membership problems, most pressing first (the condition's reason is the first that applies).
     INVALID_MEMBER = "InvalidMember"
     RUNTIME_NOT_RESOLVED = "RuntimeNotResolved"
@@ -79,11 +92,18 @@ def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict
     generation), so it may depend on the gateway's spec only, and membership is in the members' specs:
     a new member must be seen without a new gateway generation. LLMServices carry no label naming
     their gateway to select on. Runtimes likewise: which ones the members need changes with the
-    members, and runtimes are few, cluster-scoped configuration objects."""
+    members, and runtimes are few, cluster-scoped configuration objects.
+
+    Also the RoleBinding that enables the namespace (by name): whether Metacontroller may write the
+    routing ConfigMap here. The hook server has no API credentials to ask the API server itself, and
+    a related object re-syncs the gateway as soon as the RoleBinding is created."""
     parent = obs.require_object(request, "parent")
+    namespace = namespace_of(parent)
     return {"relatedResources": [
-        {"apiVersion": API_VERSION, "resource": "llmservices", "namespace": namespace_of(parent), "labelSelector": {}},
+        {"apiVersion": API_VERSION, "resource": "llmservices", "namespace": namespace, "labelSelector": {}},
         {"apiVersion": API_VERSION, "resource": "inferenceruntimes", "labelSelector": {}},
+        {"apiVersion": RBAC_API_VERSION, "resource": "rolebindings", "namespace": namespace,
+         "names": [NAMESPACE_ROLEBINDING]},
     ]}
 
 
@@ -226,6 +246,34 @@ def members_condition(membership: Membership) -> st.Cond:
     return st.Cond(MEMBERS_ACCEPTED, "False", problems[0][0], st.short(text))
 
 
+# --- the namespace's RoleBinding ------------------------------------------------------------------
+
+
+def namespace_problem(observed: obs.Observed, namespace: str) -> str | None:
+    """Why Metacontroller may not write the routing ConfigMap in this namespace, or None.
+
+    None also when the request carries no RoleBinding group at all: customize asked for none (an
+    answer Metacontroller cached from before this rule existed, or offline rendering), so nothing is
+    known and the gateway is rendered as before. Metacontroller sends the group, empty or not, for
+    every rule of the customize answer."""
+    if not obs.has_group(observed.related, ROLEBINDING):
+        return None
+    binding = next((b for b in observed.related_objects(ROLEBINDING)
+                    if _meta(b).get("name") == NAMESPACE_ROLEBINDING
+                    and (_meta(b).get("namespace") or namespace) == namespace
+                    and not _meta(b).get("deletionTimestamp")), None)
+    wanted = f"RoleBinding {NAMESPACE_ROLEBINDING} of ClusterRole {NAMESPACE_CLUSTERROLE} to Metacontroller"
+    if binding is None:
+        return (f"namespace {namespace} is not enabled for LLMGateways: Metacontroller may write the routing "
+                f"ConfigMap only where a {wanted} exists; create it ({ENABLE_DOCS})")
+    ref = _dict(binding.get("roleRef"))
+    if (ref.get("kind"), ref.get("name")) != ("ClusterRole", NAMESPACE_CLUSTERROLE):
+        return (f"namespace {namespace} is not enabled for LLMGateways: RoleBinding {NAMESPACE_ROLEBINDING} "
+                f"refers to {ref.get('kind')} {ref.get('name')}, not ClusterRole {NAMESPACE_CLUSTERROLE}; "
+                f"replace it (roleRef cannot be changed) with a {wanted} ({ENABLE_DOCS})")
+    return None
+
+
 # --- sync -----------------------------------------------------------------------------------------
 
 
@@ -284,7 +332,6 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
     gw, error = parse_gateway(parent)
     if gw is None:
         # Keep everything as it is: the table and the Pods already serving the members.
-        models = previous_models(previous_status)
         conds = [
             st.Cond(ACCEPTED, "False", GatewayReason.INVALID_SPEC,
                     st.short(f"spec is invalid, existing children are kept unchanged: {error}")),
@@ -294,8 +341,17 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
                                 reason=GatewayReason.INVALID_SPEC,
                                 message="the spec is invalid (see Accepted); existing children are kept unchanged"),
         ]
-        kept = [obs.kept(o) for o in observed.children.values()]
-        return _answer(status, models, conds, kept, previous_status, generation, cfg)
+        return _kept_answer(status, conds, observed, previous_status, generation, cfg)
+    problem = namespace_problem(observed, namespace)
+    if problem is not None:
+        conds = [
+            st.Cond(ACCEPTED, "False", GatewayReason.NAMESPACE_NOT_ENABLED,
+                    st.short(f"{problem}; existing children are kept unchanged")),
+            st.Cond(MEMBERS_ACCEPTED, "Unknown", GatewayReason.NOT_EVALUATED,
+                    "not evaluated: the namespace is not enabled for LLMGateways (see Accepted)"),
+            not_enabled_ready_condition(observed, name, gw.spec.replicas > 1),
+        ]
+        return _kept_answer(status, conds, observed, previous_status, generation, cfg)
 
     ctx = shared.SharedContext(gateway=gw, namespace=namespace, config=cfg, uid=str(meta.get("uid") or ""))
     membership = gather(gw, namespace, observed, previous_status, cfg)
@@ -352,6 +408,24 @@ def settle_rollout(gw: LLMGateway, parent: dict[str, Any], observed: obs.Observe
 def _accepted_message(spec: LLMGatewaySpec) -> str:
     keys = f"{len(spec.api_keys)} API key(s)" if spec.api_keys else "no API keys (no model asks for one)"
     return f"{spec.replicas} gateway replica(s), {keys}"
+
+
+def not_enabled_ready_condition(observed: obs.Observed, gateway_name: str, multi: bool) -> st.Cond:
+    """Ready in a namespace not enabled: True while the kept gateway still serves (its last table),
+    else False NamespaceNotEnabled rather than Progressing, since nothing moves until it is enabled."""
+    cond = ready_condition(observed, gateway_name, multi)
+    if cond.status == "True":
+        return cond
+    return dataclasses.replace(cond, status="False", reason=GatewayReason.NAMESPACE_NOT_ENABLED,
+                               message=f"the namespace is not enabled for LLMGateways (see Accepted): {cond.message}")
+
+
+def _kept_answer(status: dict[str, Any], conds: list[st.Cond], observed: obs.Observed, previous_status: Any,
+                 generation: int | None, cfg: HookConfig) -> dict[str, Any]:
+    """Every observed child as last applied, and the models the previous status listed: the table and
+    the Pods already serving the members stay as they are (a member's finalizer waits on that list)."""
+    kept = [obs.kept(o) for o in observed.children.values()]
+    return _answer(status, previous_models(previous_status), conds, kept, previous_status, generation, cfg)
 
 
 def _answer(status: dict[str, Any], models: list[dict[str, str]], conds: list[st.Cond],

@@ -24,6 +24,7 @@ from tests.e2e.cluster import Cluster, Timeline
 from tests.e2e.pods import LocalPods, ModelServer
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import ANSWER, GATEWAY_PORT, MODEL_PORT, keda, llmservice  # noqa: F401
+from tests.kube.apiserver import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -31,6 +32,9 @@ NS = "e2e-shared"
 GATEWAY = "front"
 FLOODED_MAX_QUEUE = 2
 MESSAGES = [{"role": "user", "content": "hi"}]
+# What docs/install.md ("Enabling a namespace for LLMGateways") has users apply in each namespace that
+# holds LLMGateways: Metacontroller runs with the install's RBAC only, which writes no ConfigMap elsewhere.
+ENABLING_ROLEBINDING = REPO_ROOT / "metacontroller" / "llmgateway-namespace" / "rolebinding.yaml"
 
 
 def llmgateway(name: str, namespace: str, **spec: Any) -> str:
@@ -116,11 +120,19 @@ def test_one_base_url_lists_three_cold_models_wakes_only_the_one_asked_and_a_flo
     world.timeline = timeline
     cluster.kubectl("create", "namespace", NS)
     cluster.kubectl("apply", "--server-side", "-f", "-", stdin=llmgateway(GATEWAY, NS))
+    # Not enabled yet: the gateway says so and renders nothing (no Pod waiting for a routing ConfigMap
+    # Metacontroller may not write here) ...
+    world.wait("LLMGateway Accepted=False/NamespaceNotEnabled (no RoleBinding yet)", lambda: (
+        conditions(cluster.get("llmgateway", GATEWAY, NS)).get("Accepted") == "False/NamespaceNotEnabled"))
+    assert cluster.get("deployment", names.shared_gateway(GATEWAY), NS) is None
+    # ... until the RoleBinding exists, applied as the docs say; Metacontroller re-syncs the gateway on it.
+    cluster.kubectl("apply", "--server-side", "-n", NS, "-f", str(ENABLING_ROLEBINDING))
     world.add_model("model-a", maxQueue=FLOODED_MAX_QUEUE)
     world.add_model("model-b")
     world.add_model("model-c")
     world.wait("shared gateway Deployment, routing ConfigMap with three models, three ScaledObjects", lambda: (
-        cluster.get("deployment", names.shared_gateway(GATEWAY), NS) is not None
+        conditions(cluster.get("llmgateway", GATEWAY, NS)).get("Accepted") == "True/Accepted"
+        and cluster.get("deployment", names.shared_gateway(GATEWAY), NS) is not None
         and all(f'"{m}"' in str((cluster.get("configmap", names.shared_routes(GATEWAY), NS) or {}).get("data"))
                 for m in ("model-a", "model-b", "model-c"))
         and all(cluster.get("scaledobject", names.scaled_object(m), NS) for m in ("model-a", "model-b", "model-c"))))

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gateway.config import load_config
 from gateway.modeltable import MAX_MODELS, MODEL_FIELDS, parse_model_table
@@ -15,6 +17,7 @@ from hooks.api.llmservice import LLMService
 from hooks.api.runtime import InferenceRuntime
 from hooks.app import create_app, serialize_body
 from hooks.controller import llmgateway
+from hooks.controller import status as st
 from hooks.resources import gateway, labels, shared
 from hooks.resources.context import RenderContext
 from tests.hooks import helpers as h
@@ -23,6 +26,9 @@ from tests.hooks.schemas import k8s_problems
 GW = "front"
 LLMSVC = "LLMService.serving.noctaya.io/v1alpha1"
 RUNTIMES = "InferenceRuntime.serving.noctaya.io/v1alpha1"
+ROLEBINDINGS = "RoleBinding.rbac.authorization.k8s.io/v1"
+# What docs/install.md tells users to apply in a namespace that holds LLMGateways.
+ENABLING_FILE = Path(__file__).resolve().parents[2] / "metacontroller" / "llmgateway-namespace" / "rolebinding.yaml"
 K8S_TYPES = {"Deployment": "V1Deployment", "Service": "V1Service", "Secret": "V1Secret",
              "PodDisruptionBudget": "V1PodDisruptionBudget", "ConfigMap": "V1ConfigMap"}
 
@@ -46,11 +52,22 @@ def member(name: str, created: str = "2026-01-01T00:00:00Z", gw: str | None = GW
     return obj
 
 
+def enabling_rolebinding(namespace: str = h.NAMESPACE) -> dict[str, Any]:
+    """The shipped RoleBinding as the API server holds it once applied with `kubectl apply -n <namespace>`."""
+    binding = yaml.safe_load(ENABLING_FILE.read_text())
+    binding["metadata"].update(namespace=namespace, uid="rb-uid", resourceVersion="7")
+    return binding
+
+
 def request(parent: dict[str, Any], members: list[dict[str, Any]], children: list[dict[str, Any]] | None = None,
-            runtimes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+            runtimes: list[dict[str, Any]] | None = None,
+            bindings: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A sync request as Metacontroller sends it after customize; the namespace is enabled unless
+    `bindings` says otherwise (`[]`: the RoleBinding group came back empty)."""
     kids: dict[str, dict[str, Any]] = {}
     for child in children or []:
         kids.setdefault(f"{child['kind']}.{child['apiVersion']}", {})[f"{h.NAMESPACE}/{child['metadata']['name']}"] = child
+    bindings = [enabling_rolebinding()] if bindings is None else bindings
     return {
         "controller": {"apiVersion": "metacontroller.k8s.io/v1alpha1", "kind": "CompositeController",
                        "metadata": {"name": "noctaya-llmgateway"}},
@@ -59,6 +76,7 @@ def request(parent: dict[str, Any], members: list[dict[str, Any]], children: lis
         "related": {
             LLMSVC: {f"{m['metadata'].get('namespace', h.NAMESPACE)}/{m['metadata']['name']}": m for m in members},
             RUNTIMES: {r["metadata"]["name"]: r for r in (runtimes if runtimes is not None else [h.runtime()])},
+            ROLEBINDINGS: {f"{b['metadata']['namespace']}/{b['metadata']['name']}": b for b in bindings},
         },
         "finalizing": False,
     }
@@ -100,6 +118,9 @@ def test_customize_relates_the_namespaces_llmservices_and_every_runtime() -> Non
         {"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "llmservices", "namespace": h.NAMESPACE,
          "labelSelector": {}},
         {"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "inferenceruntimes", "labelSelector": {}},
+        # Whether the namespace is enabled: the one RoleBinding docs/install.md has users create, by name.
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "resource": "rolebindings", "namespace": h.NAMESPACE,
+         "names": ["noctaya-llmgateway"]},
     ]}
 
 
@@ -409,6 +430,98 @@ def test_ready_follows_the_gateway_deployment_like_a_models_own_gateway() -> Non
     assert (cond["status"], cond["reason"], cond["message"]) == ("True", "Available", "1/1 gateways ready")
     assert cond["lastTransitionTime"] == h.LATER_TIME
     assert conditions(out)["Accepted"]["lastTransitionTime"] == h.FIXED_TIME
+
+
+# --- a namespace not enabled for LLMGateways (no RoleBinding: Metacontroller may not write ConfigMaps) ---
+
+
+def _not_enabled(out: dict[str, Any]) -> None:
+    conds = conditions(out)
+    assert (conds["Accepted"]["status"], conds["Accepted"]["reason"]) == ("False", "NamespaceNotEnabled")
+    assert (conds["MembersAccepted"]["status"], conds["MembersAccepted"]["reason"]) == ("Unknown", "NotEvaluated")
+
+
+def test_the_shipped_rolebinding_is_the_one_the_hook_looks_for_and_binds_write_only_role() -> None:
+    binding = yaml.safe_load(ENABLING_FILE.read_text())
+    assert binding["metadata"]["name"] == llmgateway.NAMESPACE_ROLEBINDING
+    assert "namespace" not in binding["metadata"], "applied with -n <namespace>"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": llmgateway.NAMESPACE_CLUSTERROLE}
+    rbac = Path(ENABLING_FILE).parents[1] / "rbac.yaml"
+    (role,) = [d for d in yaml.safe_load_all(rbac.read_text())
+               if d["kind"] == "ClusterRole" and d["metadata"]["name"] == llmgateway.NAMESPACE_CLUSTERROLE]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                              "verbs": ["create", "update", "patch", "delete"]}]
+    # An aggregating Metacontroller ClusterRole would grant it in every namespace.
+    assert not role["metadata"].get("labels") and "aggregationRule" not in role
+
+
+def test_a_new_gateway_in_a_namespace_not_enabled_renders_nothing_and_says_what_to_create() -> None:
+    out = llmgateway.sync(request(llmgateway_obj(), [member("qwen")], bindings=[]), h.config())
+    # No ConfigMap Metacontroller could not create, and no gateway Pod waiting forever for it.
+    assert out["children"] == [] and out["status"]["models"] == []
+    _not_enabled(out)
+    accepted = conditions(out)["Accepted"]["message"]
+    assert accepted == (
+        "namespace models is not enabled for LLMGateways: Metacontroller may write the routing ConfigMap only "
+        "where a RoleBinding noctaya-llmgateway of ClusterRole noctaya-metacontroller-llmgateway to Metacontroller "
+        'exists; create it (docs/install.md, "Enabling a namespace for LLMGateways"); existing children are kept '
+        "unchanged")
+    ready = conditions(out)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "NamespaceNotEnabled")
+    # A member says the same in its own GatewayReady (the gateway's not-ready reason is passed through).
+    said = st.shared_gateway_condition({**llmgateway_obj(), "status": out["status"]}, GW, "qwen", "qwen")
+    assert (said.status, said.reason) == ("False", "NamespaceNotEnabled")
+    assert "not enabled for LLMGateways" in said.message
+
+
+def test_an_upgraded_gateway_keeps_every_child_until_its_namespace_is_enabled() -> None:
+    """The previous release wrote ConfigMaps everywhere: its gateways keep serving their last table, and
+    a member that joins meanwhile is routed once the RoleBinding exists."""
+    parent = llmgateway_obj(replicas=2)
+    first = sync(parent, [member("qwen")])
+    observed = [h.as_observed(c, i, **({"readyReplicas": 2, "replicas": 2} if c["kind"] == "Deployment" else {}))
+                for i, c in enumerate(first["children"])]
+    members = [member("qwen"), member("newcomer")]
+    frozen = llmgateway.sync(request(resync(parent, first), members, children=observed, bindings=[]),
+                             h.config(h.LATER_TIME))
+    assert by_kind(frozen) == by_kind(first)  # as last applied: Metacontroller writes nothing
+    assert frozen["status"]["models"] == first["status"]["models"]
+    _not_enabled(frozen)
+    ready = conditions(frozen)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("True", "Available")  # it still serves
+    again = llmgateway.sync(request(resync(parent, frozen), members, children=observed, bindings=[]),
+                            h.config(h.LATER_TIME))
+    assert serialize_body(again) == serialize_body(frozen)  # a resync while not enabled changes nothing
+
+    enabled = llmgateway.sync(request(resync(parent, again), members, children=observed), h.config(h.LATER_TIME))
+    assert [e["name"] for e in table(enabled)] == ["newcomer", "qwen"]
+    accepted = conditions(enabled)["Accepted"]
+    assert (accepted["status"], accepted["lastTransitionTime"]) == ("True", h.LATER_TIME)
+
+
+def test_a_rolebinding_of_another_role_or_namespace_does_not_enable() -> None:
+    other_role = enabling_rolebinding()
+    other_role["roleRef"]["name"] = "edit"
+    out = llmgateway.sync(request(llmgateway_obj(), [member("qwen")], bindings=[other_role]), h.config())
+    _not_enabled(out)
+    assert "RoleBinding noctaya-llmgateway refers to ClusterRole edit, not ClusterRole " \
+           "noctaya-metacontroller-llmgateway; replace it (roleRef cannot be changed)" in conditions(out)["Accepted"]["message"]
+    elsewhere = llmgateway.sync(request(llmgateway_obj(), [member("qwen")], bindings=[enabling_rolebinding("other")]),
+                                h.config())
+    _not_enabled(elsewhere)
+    deleting = enabling_rolebinding()
+    deleting["metadata"]["deletionTimestamp"] = h.FIXED_TIME
+    _not_enabled(llmgateway.sync(request(llmgateway_obj(), [member("qwen")], bindings=[deleting]), h.config()))
+
+
+def test_a_request_without_the_rolebinding_group_renders_as_before() -> None:
+    """Metacontroller may hold a customize answer from before the rule existed (cached per gateway
+    generation), and offline rendering relates no RoleBinding: unknown is not "not enabled"."""
+    without = request(llmgateway_obj(), [member("qwen")])
+    del without["related"][ROLEBINDINGS]
+    enabled = request(llmgateway_obj(), [member("qwen")])
+    assert serialize_body(llmgateway.sync(without, h.config())) == serialize_body(llmgateway.sync(enabled, h.config()))
 
 
 # --- the HTTP shell -------------------------------------------------------------------------------------

@@ -123,6 +123,26 @@ def test_values_change_only_what_they_name(helm: Path) -> None:
     assert binding["subjects"][0]["namespace"] == "mc"
 
 
+def test_llmgateway_namespaces_get_the_rolebinding_users_apply_by_hand(helm: Path, kube: ControlPlane, tmp_path: Path) -> None:
+    """`llmGateway.namespaces` renders, in each, exactly what `kubectl apply -n <ns> -f
+    metacontroller/llmgateway-namespace/rolebinding.yaml` creates (docs/install.md), and nothing else."""
+    assert effect(helm, tmp_path, {"llmGateway": {"namespaces": ["models"]}}) == {
+        "RoleBinding/noctaya-llmgateway": (None, "present")}
+    rendered = [d for d in template(helm, "--set", "llmGateway.namespaces={models,team-a}") if d["kind"] == "RoleBinding"]
+    by_hand = [json.loads(kube.kubectl("create", "--dry-run=client", "-o", "json", "-n", ns, "-f",
+                                       str(REPO_ROOT / "metacontroller" / "llmgateway-namespace" / "rolebinding.yaml")).stdout)
+               for ns in ("models", "team-a")]
+    assert [json.dumps(d, sort_keys=True) for d in rendered] == [json.dumps(d, sort_keys=True) for d in by_hand]
+    # The subject follows the ServiceAccount Metacontroller runs as, like the ClusterRoleBinding's.
+    moved = by_key(template(helm, "--set", "llmGateway.namespaces={models}", "--set", "metacontroller.serviceAccount.namespace=mc",
+                           "--set", "metacontroller.serviceAccount.name=mctl"))
+    subject = {"kind": "ServiceAccount", "name": "mctl", "namespace": "mc"}
+    assert moved[("RoleBinding", "noctaya-llmgateway")]["subjects"] == [subject]
+    assert moved[("ClusterRoleBinding", "noctaya-metacontroller")]["subjects"] == [subject]
+    for bad in ("llmGateway.namespaces={Models}", "llmGateway.namespaces={a,a}", "llmGateway.other=1"):
+        assert run_helm(helm, "lint", str(CHART), "--set", bad, check=False).returncode != 0, f"--set {bad} was accepted"
+
+
 def test_every_value_is_documented() -> None:
     """docs/install.md's values table names every value of the schema (objects with fixed keys are
     followed down; `a.b.c` / `.d` in one row documents a.b.d)."""
@@ -313,9 +333,20 @@ def test_install_upgrade_uninstall_keeps_the_hook_secret(helm: Path) -> None:
         run_helm(helm, "install", "noctaya", str(CHART), "--create-namespace", "--wait=false", *GENERATE, *common)
         first, first_tls = secret(), tls()
         assert set(first) == {"hook-token", "token-key"}
+        metacontroller = "--as=system:serviceaccount:metacontroller:metacontroller"
+
+        def may_write_configmaps(namespace: str) -> bool:
+            out = plane.kubectl("auth", "can-i", "create", "configmaps", "-n", namespace, metacontroller, check=False)
+            return out.stdout.strip() == "yes"
+
+        plane.kubectl("create", "namespace", "models")
+        assert not may_write_configmaps("models")
         # Upgraded with the defaults (generateSecrets false), like a release installed by a chart that
         # generated its Secrets unasked (0.1.0): the Secrets in the cluster are found and kept.
-        run_helm(helm, "upgrade", "noctaya", str(CHART), "--set", "hooks.replicas=3", *common)
+        run_helm(helm, "upgrade", "noctaya", str(CHART), "--set", "hooks.replicas=3", "--set",
+                 "llmGateway.namespaces={models}", *common)
+        # The chart's RBAC as the authorizer sees it: ConfigMap write in the enabled namespace only.
+        assert may_write_configmaps("models") and not may_write_configmaps("kube-system")
         assert secret() == first  # an upgrade keeps the token Metacontroller sends and the scaler-token key
         assert tls() == first_tls  # ... and the certificate (and CA) the controllers trust
         assert json.loads(plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "-o", "json").stdout)["spec"]["replicas"] == 3
@@ -323,6 +354,7 @@ def test_install_upgrade_uninstall_keeps_the_hook_secret(helm: Path) -> None:
         assert plane.kubectl(*pdb).stdout.strip() == "poddisruptionbudget.policy/noctaya-hooks"
         run_helm(helm, "upgrade", "noctaya", str(CHART), "--set", "hooks.replicas=1", *common)
         assert plane.kubectl(*pdb).stdout == ""  # one replica: no budget left to block a node drain
+        assert not may_write_configmaps("models")  # the namespace left the list: its RoleBinding is gone
         run_helm(helm, "uninstall", "noctaya", *common)
         assert secret() == first and tls() == first_tls  # kept on uninstall (resource-policy: keep)
         assert plane.kubectl("-n", NAMESPACE, "get", "deployment", "noctaya-hooks", "--ignore-not-found", "-o", "name").stdout == ""
