@@ -18,6 +18,7 @@ from hooks.version import RELEASE_IMAGE
 # The image of this release (hooks/version.py): the gateways a hook server renders run the same
 # code as the hook server itself unless NOCTAYA_IMAGE says otherwise.
 DEFAULT_IMAGE = RELEASE_IMAGE
+ROUTE_GRACE_SECONDS = 90
 
 # One random key per process when no key file is configured: tokens are still unguessable, and a
 # token, once written into the Secret child, is reused from the observed Secret on every later sync,
@@ -42,11 +43,15 @@ class HookConfig:
     # Bumping it rotates every per-service scaler token on the next sync (docs/install.md).
     token_epoch: int = 0
     clock: Callable[[], str] = field(default=utc_now_rfc3339, compare=False)
+    # How long a deleted member's backend outlives its route: the LLMGateway's status drops the model at
+    # once, but each shared gateway Pod reads its routing ConfigMap through the kubelet's volume refresh
+    # (its periodic Pod sync, a minute by default, plus jitter).
+    route_grace_seconds: int = ROUTE_GRACE_SECONDS
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> HookConfig:
         """NOCTAYA_IMAGE, NOCTAYA_IMAGE_PULL_POLICY, NOCTAYA_CLUSTER_DOMAIN, NOCTAYA_TOKEN_KEY_FILE,
-        NOCTAYA_TOKEN_EPOCH."""
+        NOCTAYA_TOKEN_EPOCH, NOCTAYA_ROUTE_GRACE_SECONDS."""
         env = os.environ if environ is None else environ
         key = _PROCESS_TOKEN_KEY
         key_file = env.get("NOCTAYA_TOKEN_KEY_FILE")
@@ -61,7 +66,11 @@ class HookConfig:
         raw_epoch = (env.get("NOCTAYA_TOKEN_EPOCH") or "0").strip()
         if not raw_epoch.isdigit():
             raise ValueError("NOCTAYA_TOKEN_EPOCH must be a non-negative integer")
+        raw_grace = (env.get("NOCTAYA_ROUTE_GRACE_SECONDS") or str(ROUTE_GRACE_SECONDS)).strip()
+        if not raw_grace.isdigit() or int(raw_grace) > 3600:
+            raise ValueError("NOCTAYA_ROUTE_GRACE_SECONDS must be an integer from 0 to 3600")
         return cls(
+            route_grace_seconds=int(raw_grace),
             token_epoch=int(raw_epoch),
             image=env.get("NOCTAYA_IMAGE") or DEFAULT_IMAGE,
             image_pull_policy=policy,

@@ -18,6 +18,7 @@ class ConditionType(StrEnum):
     READY = "Ready"
     ACCEPTED = "Accepted"  # InferenceRuntime only
     UPGRADE_PENDING = "UpgradePending"  # Noctaya's own changes wait to reach running Pods
+    ROUTED = "Routed"  # a member being deleted: whether its LLMGateway still routes it
 
 
 class Reason(StrEnum):

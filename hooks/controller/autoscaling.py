@@ -18,20 +18,21 @@ from typing import Any
 from hooks.config import HookConfig, resolve
 from hooks.controller import coldstart
 from hooks.controller import observe as obs
-from hooks.controller.customize import POOL_RULE, runtime_rule
+from hooks.controller.customize import POOL_RULE, gateway_rule, runtime_rule
 from hooks.controller.status import POOL_GROUP
-from hooks.controller.sync import namespace_of, parse_service, resolve_runtime
+from hooks.controller.sync import gateway_gone, namespace_of, parse_service, resolve_runtime
 from hooks.resources import autoscaling, names
 from hooks.resources.context import RenderContext
 
 
 def customize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
-    """Related objects of the decorator: the runtime (its metrics gauges feed leading signals) and every
-    AcceleratorPool (whose status says when this model yields; see customize.POOL_RULE)."""
+    """Related objects of the decorator: the runtime (its metrics gauges feed leading signals), every
+    AcceleratorPool (whose status says when this model yields; see customize.POOL_RULE) and, for a
+    member of a shared gateway, that LLMGateway (without it nothing can route to the model)."""
     parent = obs.require_object(request, "parent" if "parent" in request else "object")
     spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
-    rule = runtime_rule(spec)
-    return {"relatedResources": [*([rule] if rule is not None else []), dict(POOL_RULE)]}
+    rules = [rule for rule in (runtime_rule(spec), gateway_rule(spec, namespace_of(parent))) if rule is not None]
+    return {"relatedResources": [*rules, dict(POOL_RULE)]}
 
 
 def _cooldown(value: Any) -> int | None:
@@ -64,6 +65,8 @@ def desired_scaled_object(obj: dict[str, Any], observed: obs.Observed, config: H
     namespace = namespace_of(obj)
     ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace, config=config,
                         measured_cold_start=coldstart.measured_total(obj))
+    if gateway_gone(obj, observed) is not None:
+        return autoscaling.unreachable_scaled_object(ctx)
     yielding = yield_cooldown(observed.related_objects(POOL_GROUP), f"{namespace}/{names.scaled_object(ctx.name)}")
     return autoscaling.scaled_object(ctx, yield_cooldown=yielding).scaled_object
 

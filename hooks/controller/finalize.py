@@ -9,12 +9,15 @@
 
 A member of a shared gateway (`spec.endpoint.gateway`) has no gateway of its own: its step 1 is the
 LLMGateway dropping it from the routing table (it drops a member being deleted at once). Until the
-LLMGateway's status no longer lists the model, the backend stays, so nothing the gateway still
-routes there finds it gone.
+LLMGateway's status no longer lists the model, the backend stays; and then for
+`HookConfig.route_grace_seconds` more (condition `Routed=False` records since when), because each
+shared gateway Pod reads the table through the kubelet's ConfigMap volume refresh, up to a minute or
+so later: nothing the gateway still routes there finds the backend gone.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import Any
 
 from hooks.api.status import ConditionType, Reason
@@ -57,6 +60,32 @@ def _shared_gateway_routes(parent: dict[str, Any], observed: obs.Observed) -> st
     return None
 
 
+def _seconds_since(stamp: Any, now: str) -> float | None:
+    try:
+        then = _dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+        return (_dt.datetime.fromisoformat(now.replace("Z", "+00:00")) - then).total_seconds()
+    except ValueError:
+        return None
+
+
+def route_grace_left(parent: dict[str, Any], cfg: HookConfig) -> float:
+    """Seconds a member's backend must still wait after its LLMGateway stopped listing it: the grace
+    counts from the lastTransitionTime of its Routed=False condition (now, when there is none yet)."""
+    previous = parent.get("status") if isinstance(parent.get("status"), dict) else {}
+    for c in previous.get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == ConditionType.ROUTED and c.get("status") == "False":
+            waited = _seconds_since(c.get("lastTransitionTime"), cfg.clock())
+            return max(0.0, cfg.route_grace_seconds - waited) if waited is not None else float(cfg.route_grace_seconds)
+    return float(cfg.route_grace_seconds)
+
+
+def _member_of(parent: dict[str, Any]) -> str | None:
+    spec = parent.get("spec") if isinstance(parent.get("spec"), dict) else {}
+    endpoint = spec.get("endpoint") if isinstance(spec.get("endpoint"), dict) else {}
+    gateway = endpoint.get("gateway")
+    return gateway if isinstance(gateway, str) and gateway else None
+
+
 def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:
     parent = obs.require_object(request, "parent")
     cfg = resolve(config)
@@ -65,14 +94,21 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
     children = list(observed.children.values())
     gateway_up = any(_is_deployment(o, labels.GATEWAY, names.gateway(name)) for o in children)
     routed_by = _shared_gateway_routes(parent, observed)
+    member_of = _member_of(parent)
+    grace = route_grace_left(parent, cfg) if member_of is not None and routed_by is None else 0.0
     backend_up = any(_is_deployment(o, labels.BACKEND, names.backend(name)) for o in children)
     pods = observed.live_pods()
-    if gateway_up or routed_by is not None:
+    if gateway_up or routed_by is not None or grace > 0:
         # Phase 1: keep only what serves requests already admitted.
         keep = [obs.kept(o) for o in children if _component(o) in (labels.BACKEND, labels.CACHE)]
-        message = ("stopping admission: removing the gateway; the backend keeps serving in-flight requests"
-                   if gateway_up else f"stopping admission: waiting for LLMGateway {routed_by} to stop routing "
-                   "this model; the backend keeps serving in-flight requests")
+        if gateway_up:
+            message = "stopping admission: removing the gateway; the backend keeps serving in-flight requests"
+        elif routed_by is not None:
+            message = (f"stopping admission: waiting for LLMGateway {routed_by} to stop routing this model; the "
+                       "backend keeps serving in-flight requests")
+        else:
+            message = (f"LLMGateway {member_of} no longer lists this model; the backend stays until every gateway Pod "
+                       f"has reloaded its routing table ({cfg.route_grace_seconds}s after that)")
     else:
         keep = []
         message = (
@@ -81,12 +117,14 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
             else "teardown complete"
         )
     # Without the related Pod group we cannot see draining Pods: never call that "done".
-    finalized = not gateway_up and routed_by is None and not backend_up and not pods and observed.pods_observed
+    finalized = (not gateway_up and routed_by is None and grace <= 0 and not backend_up and not pods
+                 and observed.pods_observed)
 
     previous = parent.get("status") if isinstance(parent.get("status"), dict) else {}
     conds: list[st.Cond] = []
     for c in previous.get("conditions") or []:
-        if not isinstance(c, dict) or c.get("type") in (ConditionType.READY, ConditionType.GATEWAY_READY, ConditionType.BACKEND_READY):
+        if not isinstance(c, dict) or c.get("type") in (ConditionType.READY, ConditionType.GATEWAY_READY,
+                                                         ConditionType.BACKEND_READY, ConditionType.ROUTED):
             continue
         try:
             conds.append(st.Cond(ConditionType(c["type"]), c.get("status", "Unknown"), Reason(c.get("reason")), c.get("message", "")))
@@ -99,6 +137,10 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
     else:
         conds.append(st.Cond(ConditionType.BACKEND_READY, "False", Reason.TERMINATING, "backend removed"))
     conds.append(st.Cond(ConditionType.GATEWAY_READY, "False", Reason.TERMINATING, "the LLMService is being deleted"))
+    if member_of is not None:
+        conds.append(st.Cond(ConditionType.ROUTED, "True" if routed_by is not None else "False", Reason.TERMINATING,
+                             f"LLMGateway {member_of} {'still routes' if routed_by is not None else 'no longer lists'} "
+                             "this model"))
     conds.append(st.Cond(ConditionType.READY, "False", Reason.TERMINATING, message))
     meta = parent.get("metadata") or {}
     generation = meta.get("generation") if isinstance(meta.get("generation"), int) else None
@@ -110,6 +152,7 @@ def finalize(request: dict[str, Any], config: HookConfig | None = None) -> dict[
     return {
         "status": status,
         "children": keep,
-        "resyncAfterSeconds": 0.0 if finalized else TEARDOWN_RESYNC_SECONDS,
+        "resyncAfterSeconds": 0.0 if finalized else min(TEARDOWN_RESYNC_SECONDS, grace) if grace > 0
+        else TEARDOWN_RESYNC_SECONDS,
         "finalized": finalized,
     }

@@ -90,6 +90,19 @@ def served_name_of(parent: dict[str, Any]) -> str:
     return served if isinstance(served, str) and served else str(parent["metadata"]["name"])
 
 
+def gateway_gone(obj: dict[str, Any], observed: obs.Observed) -> str | None:
+    """The LLMGateway a member names when the request shows it does not exist (or is being deleted);
+    None for a model with its own gateway, a gateway that exists, or a request that does not say."""
+    return missing_gateway(shared_gateway_name(obj.get("spec")), namespace_of(obj), observed)
+
+
+def missing_gateway(name: str | None, namespace: str, observed: obs.Observed) -> str | None:
+    if name is None or not obs.has_group(observed.related, obs.LLMGATEWAY):
+        return None
+    found = observed.llmgateway(name, namespace)
+    return name if found is None or (found.get("metadata") or {}).get("deletionTimestamp") else None
+
+
 def gateway_ready(parent: dict[str, Any], observed: obs.Observed, multi: bool, missing_auth: str | None = None) -> st.Cond:
     """GatewayReady: the LLMService's own gateway Deployment(s), or for a member the LLMGateway it joins."""
     name = str(parent["metadata"]["name"])
@@ -251,6 +264,11 @@ def plan_children(
                 "created once it is (existing children are kept)",
             )
         )
+    elif (gone := missing_gateway(ctx.shared_gateway, ctx.namespace, observed)) is not None:
+        out.put(st.Cond(t, "False", Reason.GATEWAY_NOT_FOUND, st.short(
+            f"LLMGateway {gone} does not exist in namespace {ctx.namespace}: nothing can route to the model, so its "
+            f"ScaledObject scales {names.backend(name)} to zero once cooldownPeriod has passed (scaling.min and warm "
+            "windows apply again when the gateway exists)")))
     elif so_plan.problems:
         out.put(st.Cond(t, "False", Reason.INVALID_SPEC, st.short("; ".join(so_plan.problems))))
     elif "tls" in missing:
@@ -350,7 +368,11 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         out.runtime = previous_runtime
         out.put(st.Cond(ConditionType.RUNTIME_RESOLVED, "False", resolution.reason, resolution.message))
         if keda:
-            out.put(st.Cond(ConditionType.AUTOSCALING_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES, "waiting for a runtime"))
+            # The decorator keeps the ScaledObject it last rendered: demand still scales the backend,
+            # to zero too (a deleted runtime must not strand a warm model's accelerators).
+            out.put(st.Cond(ConditionType.AUTOSCALING_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES,
+                            "waiting for a runtime; an existing ScaledObject is kept as it was and still scales "
+                            "the backend on demand, to zero when idle"))
         else:
             out.put(st.Cond(ConditionType.AUTOSCALING_READY, "False", Reason.KEDA_NOT_INSTALLED, f"KEDA's CRD {obs.KEDA_CRD_NAME} is not installed"))
         out.put(st.Cond(ConditionType.CACHE_READY, "Unknown", Reason.WAITING_FOR_DEPENDENCIES, "waiting for a runtime"))

@@ -40,6 +40,7 @@ from hooks.resources.context import RenderContext
 
 API_VERSION = "keda.sh/v1alpha1"
 DEMAND_TRIGGER = "gateway-demand"
+UNREACHABLE_TRIGGER = "no-gateway"
 WARM_WINDOW_TRIGGER = "warm-window"
 # Trigger metadata naming the served model at a shared scaler (scaler.externalscaler.MODEL_METADATA_KEY;
 # not imported: the hook server does not load the scaler's gRPC stack).
@@ -114,6 +115,38 @@ def window_text(window: WarmWindow, measured: float | None) -> str:
         elif not wanted:
             text += ", opening early once a cold start was measured"
     return text
+
+
+def unreachable_scaled_object(ctx: RenderContext) -> dict[str, Any]:
+    """The ScaledObject of a member whose LLMGateway does not exist (deleted, or not created yet):
+    nothing can route a request to the model, and an external-push trigger at the gone scaler would
+    only error (KEDA then changes nothing, so a warm backend would keep its accelerators for ever).
+
+    One trigger that is never active: KEDA's kubernetes-workload over this model's own gateway Pods,
+    which a member never has. KEDA scales the backend to zero once the cooldown has passed since the
+    last active report (enough for requests the gone gateway is still draining), whatever
+    scaling.min, warm windows or pools say: an unreachable model holds no accelerator. When the
+    LLMGateway exists again the usual ScaledObject returns, and with it scaling.min.
+    """
+    scaling = ctx.service.spec.scaling
+    cooldown = ctx.seconds(scaling.cooldown_period)
+    no_pods = f"{labels.LLMSERVICE}={labels.label_value(ctx.name)},{labels.COMPONENT}={labels.GATEWAY}"
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ScaledObject",
+        "metadata": ctx.metadata(names.scaled_object(ctx.name), labels.BACKEND),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": names.backend(ctx.name)},
+            "minReplicaCount": 0,
+            "maxReplicaCount": scaling.max,
+            "pollingInterval": ctx.seconds(scaling.polling_interval),
+            "cooldownPeriod": cooldown,
+            "advanced": {"horizontalPodAutoscalerConfig": {
+                "behavior": {"scaleDown": {"stabilizationWindowSeconds": min(cooldown, MAX_HPA_WINDOW_SECONDS)}}}},
+            "triggers": [{"type": "kubernetes-workload", "name": UNREACHABLE_TRIGGER, "metricType": "AverageValue",
+                          "metadata": {"podSelector": no_pods, "value": "1"}}],
+        },
+    }
 
 
 def scaled_object(ctx: RenderContext, yield_cooldown: int | None = None) -> ScaledObjectPlan:

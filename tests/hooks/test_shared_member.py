@@ -9,6 +9,7 @@ spec keeps everything, and an unchanged world gets the same bytes on every resyn
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -223,7 +224,52 @@ def test_gateway_ready_comes_from_the_llmgateway(gateway: dict | None, expected:
         assert (ready["status"], ready["message"]) == ("True", f"serving at {SHARED_URL}")
     else:
         assert (ready["status"], ready["reason"]) == ("False", expected[1])
-        assert ready["message"].startswith("GatewayReady: LLMGateway chat")
+        # A gone gateway first stops autoscaling (the ScaledObject scales the model to zero; below).
+        first = "AutoscalingReady" if expected[1] == "GatewayNotFound" else "GatewayReady"
+        assert ready["message"].startswith(f"{first}: LLMGateway chat")
+
+
+# --- the LLMGateway is gone: nothing can route to the model, so it must be able to reach zero -----
+
+
+@pytest.mark.parametrize("gone", ["missing", "deleting"])
+@pytest.mark.parametrize("spec", [{}, {"scaling": {"min": 1, "max": 3, "schedules": [
+    {"start": "0 8 * * *", "end": "0 18 * * *", "replicas": 2}]}}], ids=["min0", "min1-windows"])
+def test_without_its_llmgateway_a_member_scales_to_zero_and_says_why(gone: str, spec: dict) -> None:
+    gateway = None
+    if gone == "deleting":
+        gateway = llmgateway()
+        gateway["metadata"]["deletionTimestamp"] = "2026-01-01T02:00:00Z"
+    parent = member(**copy.deepcopy(spec))
+    decorator = h.decorator_request(parent)
+    decorator["related"]["LLMGateway.serving.noctaya.io/v1alpha1"] = {} if gateway is None else {
+        f"{h.NAMESPACE}/{GATEWAY}": gateway}
+    (so,) = autoscaling.sync(decorator, h.config())["attachments"]
+    from tests.hooks import schemas
+    assert schemas.openapi_problems(so, schemas.load_crd_schema()) == []  # KEDA's own CRD schema
+    assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["maxReplicaCount"] == (3 if spec else 1)
+    (trigger,) = so["spec"]["triggers"]  # no external-push at a gone scaler, no warm window holding it
+    assert trigger["type"] == "kubernetes-workload" and trigger["metadata"]["value"] == "1"
+    # A selector no Pod carries: a member never has a gateway Pod of its own.
+    assert trigger["metadata"]["podSelector"] == "serving.noctaya.io/llmservice=qwen,serving.noctaya.io/component=gateway"
+    answer = sync.sync(request(parent, gateway), h.config())
+    auto = cond(answer, "AutoscalingReady")
+    assert (auto["status"], auto["reason"]) == ("False", "GatewayNotFound")
+    assert "scales qwen-backend to zero" in auto["message"]
+
+
+def test_a_decorator_request_that_does_not_say_keeps_the_demand_trigger() -> None:
+    """Without the LLMGateway group (a customize answer cached from before it was asked for) the
+    gateway's absence is unknown: the usual ScaledObject stays."""
+    (so,) = autoscaling.sync(h.decorator_request(member()), h.config())["attachments"]
+    assert so["spec"]["triggers"][0]["type"] == "external-push"
+
+
+def test_the_decorator_relates_the_members_llmgateway() -> None:
+    rules = autoscaling.customize({"parent": member()})["relatedResources"]
+    assert {"apiVersion": "serving.noctaya.io/v1alpha1", "resource": "llmgateways", "namespace": h.NAMESPACE,
+            "names": [GATEWAY]} in rules
+    assert not any(r["resource"] == "llmgateways" for r in autoscaling.customize({"parent": per_model()})["relatedResources"])
 
 
 def test_an_llmgateway_of_another_namespace_or_name_is_not_ours() -> None:
@@ -367,9 +413,31 @@ def test_a_deleted_member_keeps_its_backend_while_the_llmgateway_still_routes_to
 @pytest.mark.parametrize("gateway", [llmgateway(models=[]), None,
                                      llmgateway(models=[{"name": SERVED, "service": "another"}])],
                          ids=["no-longer-listed", "gateway-gone", "the-name-is-another-members"])
-def test_once_the_llmgateway_stops_routing_the_member_its_backend_goes_and_teardown_completes(gateway: dict | None) -> None:
-    answer = finalize.finalize(_deleting_member_request(gateway, [h.pod("qwen-backend-7d9f-abcde", ready=True)]),
-                               h.config())
+def test_once_the_llmgateway_stops_routing_the_member_its_backend_outlives_the_route_then_goes(gateway: dict | None) -> None:
+    """The LLMGateway's status drops the model at once; its Pods read the table through the kubelet's
+    ConfigMap refresh, up to a minute or so later. The backend waits route_grace_seconds (90) from
+    when the hook first saw the model unlisted (Routed=False), at the limit: 89 s still waits."""
+    at = "2026-01-01T02:00:00Z"
+    request = _deleting_member_request(gateway, [h.pod("qwen-backend-7d9f-abcde", ready=True)])
+    first = finalize.finalize(copy.deepcopy(request), h.config(at))
+    assert {c["metadata"]["labels"]["serving.noctaya.io/component"] for c in first["children"]} >= {"backend"}
+    routed = cond(first, "Routed")
+    assert (routed["status"], routed["lastTransitionTime"]) == ("False", at) and not first["finalized"]
+    assert "no longer lists this model" in cond(first, "Ready")["message"]
+    request["parent"]["status"] = first["status"]
+    waiting = finalize.finalize(copy.deepcopy(request), h.config("2026-01-01T02:01:29Z"))
+    assert waiting["children"] == first["children"] and waiting["resyncAfterSeconds"] == 1.0
+    assert cond(waiting, "Routed")["lastTransitionTime"] == at  # the grace is not restarted by a resync
+    answer = finalize.finalize(copy.deepcopy(request), h.config("2026-01-01T02:01:30Z"))
     assert answer["children"] == [] and not answer["finalized"]  # the backend Pod still drains
-    done = finalize.finalize(_deleting_member_request(gateway, [], gone=True), h.config())
+    gone = _deleting_member_request(gateway, [], gone=True)
+    gone["parent"]["status"] = answer["status"]
+    done = finalize.finalize(gone, h.config("2026-01-01T02:02:00Z"))
     assert done["children"] == [] and done["finalized"]
+
+
+def test_the_route_grace_follows_the_hook_config() -> None:
+    request = _deleting_member_request(llmgateway(models=[]), [], gone=True)
+    quick = dataclasses.replace(h.config("2026-01-01T02:00:00Z"), route_grace_seconds=0)
+    assert finalize.finalize(request, quick)["finalized"]
+    assert not finalize.finalize(request, h.config("2026-01-01T02:00:00Z"))["finalized"]
