@@ -178,19 +178,21 @@ class Cluster:
 
     # --- processes ------------------------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        with open(self.workdir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+               cwd: Path = REPO_ROOT) -> subprocess.Popen[bytes]:
+        with open(self.workdir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                     start_new_session=True)
         self._procs[name] = proc
         self._spawned[proc.pid] = process_start_time(proc.pid)
         return proc
 
-    def spawn_with_cluster_names(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn_with_cluster_names(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+                                 cwd: Path = REPO_ROOT) -> subprocess.Popen[bytes]:
         """Start a process that resolves Service names: in a mount namespace of its own (unshare), the
         suite's hosts file bind-mounted over /etc/hosts; the bind mount ends with the process."""
         return self._spawn(name, ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                                  'mount --bind "$0" /etc/hosts && exec "$@"', str(self.hosts_file), *argv], env)
+                                  'mount --bind "$0" /etc/hosts && exec "$@"', str(self.hosts_file), *argv], env, cwd)
 
     def stop_process(self, name: str) -> None:
         proc = self._procs.pop(name, None)
@@ -204,11 +206,12 @@ class Cluster:
         # Metacontroller logs JSON with Go stack traces: the message is in the first few hundred bytes.
         return "\n".join(line[:400] for line in path.read_text(errors="replace").splitlines()[-lines:])
 
-    def start_hook_server(self) -> None:
+    def start_hook_server(self, source: Path = REPO_ROOT, env_extra: dict[str, str] | None = None) -> None:
         """Over HTTPS with the certificate tools/make-hook-cert.sh put into noctaya-hooks-tls (the
-        controllers verify it against that Secret's ca.crt, as installed)."""
+        controllers verify it against that Secret's ca.crt, as installed). `source`: the tree whose
+        hook server runs (another release's, for the upgrade tests)."""
         tls_dir = self.workdir / "hook-tls"
-        tls_dir.mkdir()
+        tls_dir.mkdir(exist_ok=True)
         tls = self.get("secret", "noctaya-hooks-tls", "noctaya-system")
         assert tls is not None, "noctaya-hooks-tls missing: run tools/make-hook-cert.sh first"
         for key in ("tls.crt", "tls.key", "ca.crt"):
@@ -216,16 +219,27 @@ class Cluster:
         token_file = self.workdir / "hook-token"
         token_file.write_text(self.hook_token)
         key_file = self.workdir / "token-key"
-        key_file.write_text(os.urandom(32).hex())
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "NOCTAYA_HOOK_TOKEN_FILE": str(token_file),
-               "NOCTAYA_TOKEN_KEY_FILE": str(key_file), "PROMETHEUS_MULTIPROC_DIR": str(self.workdir / "prom")}
-        (self.workdir / "prom").mkdir()
+        if not key_file.exists():  # the same key across hook server versions, as the install's Secret keeps it
+            key_file.write_text(os.urandom(32).hex())
+        prom = self.workdir / f"prom-{time.monotonic_ns()}"
+        prom.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(source), "NOCTAYA_HOOK_TOKEN_FILE": str(token_file),
+               "NOCTAYA_TOKEN_KEY_FILE": str(key_file), "PROMETHEUS_MULTIPROC_DIR": str(prom),
+               "PYTHONDONTWRITEBYTECODE": "1", **(env_extra or {})}
         self._spawn("hooks", [sys.executable, "-m", "hooks", "serve", "--bind", f"{self.address}:{HOOK_PORT}",
                               "--workers", "1", "--tls-cert-file", str(tls_dir / "tls.crt"),
-                              "--tls-key-file", str(tls_dir / "tls.key")], env)
+                              "--tls-key-file", str(tls_dir / "tls.key")], env, cwd=source)
         self._wait(lambda: self._hooks_get("/healthz", attempts=1).ok, "hook server", "hooks")
-        self._hook_watchdog = HookServerWatchdog(self)
-        self._hook_watchdog.start()
+        if getattr(self, "_hook_watchdog", None) is None:
+            self._hook_watchdog = HookServerWatchdog(self)
+            self._hook_watchdog.start()
+
+    def replace_hook_server(self, source: Path = REPO_ROOT, env_extra: dict[str, str] | None = None) -> None:
+        """The hook server Deployment's rollout, played as Recreate: the old process stops (SIGTERM, its
+        in-flight calls finish), then the other tree's starts on the same address; Metacontroller's
+        calls in between fail and are retried with backoff, as during any hook server restart."""
+        self.stop_process("hooks")
+        self.start_hook_server(source, env_extra)
 
     @property
     def hook_url(self) -> str:

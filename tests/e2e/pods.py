@@ -47,8 +47,10 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 class LocalPods:
     """The replicas of one Deployment in Noctaya's image, as local processes (see the module doc)."""
 
-    def __init__(self, cluster: Cluster, namespace: str, deployment: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, cluster: Cluster, namespace: str, deployment: str, env: dict[str, str] | None = None,
+                 source: Path = REPO_ROOT) -> None:
         self.cluster = cluster
+        self.source = source  # the tree whose code the image runs (another release's, for the upgrade tests)
         self.namespace = namespace
         self.deployment = deployment
         self.env_overrides = dict(env or {})  # what a benchmark changes on top of the rendered env
@@ -79,7 +81,7 @@ class LocalPods:
     def _start_one(self, index: int, container: dict[str, Any], volumes: list[dict[str, Any]]) -> None:
         name = f"{self.deployment}-{index}"
         address = self.cluster.new_address()
-        root = self.cluster.workdir / "pods" / self.namespace / name
+        root = self.cluster.workdir / "pods" / self.namespace / f"{name}-{time.monotonic_ns()}"  # a restart gets fresh mounts
         mounts: dict[str, Path] = {}
         for mount in container.get("volumeMounts") or []:
             (volume,) = [v for v in volumes if v["name"] == mount["name"]]
@@ -91,15 +93,15 @@ class LocalPods:
                 self._write_config_map(volume["configMap"], local)
                 self._config_maps.append((volume["configMap"], local))
             mounts[mount["mountPath"]] = local
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(mounts.get("/tmp", root)),
-               "NOCTAYA_LISTEN_HOST": address}
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(self.source), "TMPDIR": str(mounts.get("/tmp", root)),
+               "NOCTAYA_LISTEN_HOST": address, "PYTHONDONTWRITEBYTECODE": "1"}
         for var in container.get("env") or []:
             assert "valueFrom" not in var, f"{name}: env {var['name']} uses valueFrom, which LocalPods does not resolve"
             env[var["name"]] = _rewrite(var["value"], mounts)
         env.update(self.env_overrides)
         command = [*container.get("command", []), *container.get("args", [])]
         assert command[:2] == ["python", "-m"], f"{name}: not Noctaya's image command: {command}"
-        self.cluster.spawn_with_cluster_names(name, [sys.executable, *command[1:]], env)
+        self.cluster.spawn_with_cluster_names(name, [sys.executable, *command[1:]], env, cwd=self.source)
         self.addresses.append(address)
         self._names.append(name)
 
