@@ -25,6 +25,8 @@ from tests.kube.conftest import crd_names, wait_established
 from tests.kube.gobuild import kwok_binary
 from tests.third_party import metacontroller_crds
 
+ROUTE_GRACE_SECONDS = 5
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("NOCTAYA_E2E") == "1":
@@ -68,7 +70,9 @@ def cluster() -> Iterator[Cluster]:
         subprocess.run(["bash", str(REPO_ROOT / "tools" / "make-hook-cert.sh")], check=True, capture_output=True,
                        timeout=120, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "KUBECONFIG": str(plane.kubeconfig),
                                          "HOME": str(plane.workdir)})
-        env.start_hook_server()
+        # A deleted member's backend outlives its route by this grace (90 s by default: a kubelet's
+        # ConfigMap refresh); LocalPods refresh every second, so 5 s is the same margin here.
+        env.start_hook_server(env_extra={"NOCTAYA_ROUTE_GRACE_SECONDS": str(ROUTE_GRACE_SECONDS)})
         env.start_metacontroller()
         started = {proc.pid: process_start_time(proc.pid) for _name, proc in plane._procs}
         yield env

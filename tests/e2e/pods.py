@@ -115,12 +115,14 @@ class LocalPods:
             path.write_bytes(data[item["key"]])
             path.chmod(0o400)
 
-    def _write_config_map(self, volume: dict[str, Any], target: Path) -> bool:
+    def _write_config_map(self, volume: dict[str, Any], target: Path, refresh: bool = False) -> bool:
         """The kubelet's atomic writer: the files in a new timestamped directory, then ``..data`` swapped
         to it with one rename, so a reader never sees a half-written file. True when the data changed."""
         obj = self.cluster.get("configmap", volume["name"], self.namespace)
         if obj is None:
-            assert volume.get("optional"), f"configmap {volume['name']} missing"
+            # At start a missing ConfigMap keeps the Pod from starting; later the kubelet keeps the files
+            # it has (the Pod itself goes when its owner is deleted).
+            assert refresh or volume.get("optional"), f"configmap {volume['name']} missing"
             return False
         data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
         items = volume.get("items") or [{"key": k, "path": k} for k in sorted(data)]
@@ -147,7 +149,7 @@ class LocalPods:
         while not self._stop.wait(CONFIG_MAP_SYNC_SECONDS):
             for volume, target in self._config_maps:
                 try:
-                    self._write_config_map(volume, target)
+                    self._write_config_map(volume, target, refresh=True)
                 except (requests.RequestException, OSError):
                     pass  # the next sync tries again, as the kubelet does
 

@@ -230,3 +230,46 @@ def test_a_fourth_model_joins_while_a_cold_request_for_another_is_held_and_that_
     assert world.listed() == ["model-a", "model-b", "model-c", "model-d"]
     print(f"\nshared gateway: a fourth model listed {listed_after:.1f} s after `kubectl apply` (Metacontroller "
           f"sync + the suite's 1 s ConfigMap refresh); the held cold request of model-c completed")
+
+
+def test_deleting_a_member_keeps_its_backend_past_its_route_and_deleting_the_gateway_lets_a_warm_member_reach_zero(
+        world: SharedWorld, cluster: Cluster, timeline: Timeline) -> None:
+    """Issue 28's deletions on the real control plane, continuing the world above: a member's backend
+    outlives its route (the grace the hook server is given: tests/e2e/conftest.py), and once the
+    LLMGateway is gone, a warm member's ScaledObject scales it to zero."""
+    from tests.e2e.conftest import ROUTE_GRACE_SECONDS
+
+    if not world.gateway.addresses:
+        pytest.skip("continues the previous tests")
+    world.timeline = timeline
+    for server in world.servers.values():
+        server.timeline = timeline
+
+    def routed(model: str) -> bool:
+        return f'"{model}"' in str((cluster.get("configmap", names.shared_routes(GATEWAY), NS) or {}).get("data"))
+
+    # model-c is warm (the previous test woke it): delete it while it is routed.
+    assert routed("model-c") and (world.replicas("model-c") or 0) >= 1
+    cluster.kubectl("-n", NS, "delete", "llmservice", "model-c", "--wait=false")
+    world.wait("model-c dropped from the routing table", lambda: not routed("model-c"))
+    unrouted = time.monotonic()
+    assert cluster.get("deployment", names.backend("model-c"), NS) is not None, "the backend went before its route"
+    world.wait("model-c's backend removed after the route grace", lambda: (
+        cluster.get("deployment", names.backend("model-c"), NS) is None), timeout=60)
+    outlived = time.monotonic() - unrouted
+    assert outlived >= ROUTE_GRACE_SECONDS - 1.5, f"the backend outlived its route by {outlived:.1f}s only"
+    world.wait("model-c gone", lambda: cluster.get("llmservice", "model-c", NS) is None, timeout=60)
+
+    # model-b warm, then its LLMGateway deleted: nothing can route to it any more, so it must reach zero.
+    assert world.client().chat.completions.create(model="model-b", messages=MESSAGES).choices[0].message.content == ANSWER
+    assert (world.replicas("model-b") or 0) >= 1
+    cluster.kubectl("-n", NS, "delete", "llmgateway", GATEWAY, "--wait=false")
+    t0 = time.monotonic()
+    world.wait("model-b: AutoscalingReady=False/GatewayNotFound and a ScaledObject without the gone scaler", lambda: (
+        conditions(cluster.get("llmservice", "model-b", NS)).get("AutoscalingReady") == "False/GatewayNotFound"
+        and [t["type"] for t in (cluster.get("scaledobject", names.scaled_object("model-b"), NS) or {})
+             .get("spec", {}).get("triggers", [])] == ["kubernetes-workload"]))
+    world.wait("model-b scaled to zero by KEDA", lambda: world.replicas("model-b") == 0, timeout=120)
+    to_zero = time.monotonic() - t0
+    print(f"\nshared gateway deletions: model-c's backend outlived its route by {outlived:.1f} s (grace "
+          f"{ROUTE_GRACE_SECONDS} s); model-b reached zero {to_zero:.1f} s after its LLMGateway was deleted")
