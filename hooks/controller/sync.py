@@ -252,39 +252,32 @@ def plan_children(
         out.children.append(secrets.token_secret(ctx, observed.child(obs.SECRET, token_name)))
 
     so_plan = autoscaling.scaled_object(ctx)
-    scaling = ctx.service.spec.scaling
-    t = ConditionType.AUTOSCALING_READY
+    out.put(autoscaling_condition(ctx, observed, keda, so_plan, missing))
+    return so_plan
+
+
+def autoscaling_condition(ctx: RenderContext, observed: obs.Observed, keda: bool,
+                          so_plan: autoscaling.ScaledObjectPlan, missing: dict[str, str]) -> st.Cond:
+    """AutoscalingReady: the first of KEDA missing, a gone LLMGateway, an unbuildable trigger or a
+    missing TLS Secret that applies; else what the ScaledObject does."""
+    name, scaling, t = ctx.name, ctx.service.spec.scaling, ConditionType.AUTOSCALING_READY
     if not keda:
-        out.put(
-            st.Cond(
-                t,
-                "False",
-                Reason.KEDA_NOT_INSTALLED,
-                f"KEDA's CRD {obs.KEDA_CRD_NAME} is not installed: install KEDA; the backend Deployment is "
-                "created once it is (existing children are kept)",
-            )
-        )
-    elif (gone := missing_gateway(ctx.shared_gateway, ctx.namespace, observed)) is not None:
-        out.put(st.Cond(t, "False", Reason.GATEWAY_NOT_FOUND, st.short(
+        return st.Cond(t, "False", Reason.KEDA_NOT_INSTALLED,
+                       f"KEDA's CRD {obs.KEDA_CRD_NAME} is not installed: install KEDA; the backend Deployment is "
+                       "created once it is (existing children are kept)")
+    gone = missing_gateway(ctx.shared_gateway, ctx.namespace, observed)
+    if gone is not None:
+        return st.Cond(t, "False", Reason.GATEWAY_NOT_FOUND, st.short(
             f"LLMGateway {gone} does not exist in namespace {ctx.namespace}: nothing can route to the model, so its "
             f"ScaledObject scales {names.backend(name)} to zero once cooldownPeriod has passed (scaling.min and warm "
-            "windows apply again when the gateway exists)")))
-    elif so_plan.problems:
-        out.put(st.Cond(t, "False", Reason.INVALID_SPEC, st.short("; ".join(so_plan.problems))))
-    elif "tls" in missing:
-        out.put(st.Cond(t, "False", Reason.SECRET_NOT_FOUND, f"scalerTLS Secret {missing['tls']} does not exist"))
-    else:
-        out.put(
-            st.Cond(
-                t,
-                "True",
-                Reason.CONFIGURED,
-                st.short(f"ScaledObject {names.scaled_object(name)} scales {names.backend(name)} between "
-                         f"{scaling.min} and {scaling.max} replicas on demand from {ctx.scaler_address}"
-                         + _windows_text(ctx)),
-            )
-        )
-    return so_plan
+            "windows apply again when the gateway exists)"))
+    if so_plan.problems:
+        return st.Cond(t, "False", Reason.INVALID_SPEC, st.short("; ".join(so_plan.problems)))
+    if "tls" in missing:
+        return st.Cond(t, "False", Reason.SECRET_NOT_FOUND, f"scalerTLS Secret {missing['tls']} does not exist")
+    return st.Cond(t, "True", Reason.CONFIGURED, st.short(
+        f"ScaledObject {names.scaled_object(name)} scales {names.backend(name)} between {scaling.min} and "
+        f"{scaling.max} replicas on demand from {ctx.scaler_address}" + _windows_text(ctx)))
 
 
 def _weights_unreachable(ctx: RenderContext, node: str | None, observed: obs.Observed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 from hypothesis import HealthCheck, assume, given, settings
@@ -175,9 +176,11 @@ def test_finalize_never_finishes_early(scenario: tuple[dict, list[dict]]) -> Non
     for child in observed:
         child["metadata"]["namespace"] = service["metadata"]["namespace"]
     pods = [h.pod("p-1", ready=True, service=lb.label_value(service["metadata"]["name"]))]
+    # The order, not the clock: a member's route grace (tests/hooks/test_shared_member.py) is zero here.
+    no_grace = dataclasses.replace(h.config(), route_grace_seconds=0)
     state = observed
     for _ in range(4):  # each round, Kubernetes deletes whatever the hook stopped returning
-        answer = finalize.finalize({**_request(service, runtimes, state), "related": {"Pod.v1": {"ns/p-1": pods[0]} if pods else {}}}, h.config())
+        answer = finalize.finalize({**_request(service, runtimes, state), "related": {"Pod.v1": {"ns/p-1": pods[0]} if pods else {}}}, no_grace)
         kept = {(c["kind"], c["metadata"]["name"]) for c in answer["children"]}
         gateway_observed = any(c["kind"] == "Deployment" and c["metadata"]["labels"][lb.COMPONENT] == "gateway" for c in state)
         if gateway_observed:
