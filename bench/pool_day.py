@@ -56,10 +56,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -188,11 +186,11 @@ def describe(arrivals: list[Arrival], start: float, end: float) -> str:
 
 @contextmanager
 def e2e_cluster() -> Iterator[Any]:
-    from tests.e2e.cluster import Cluster, metacontroller_binary
-    from tests.kube.apiserver import REPO_ROOT, ControlPlane, ensure_binaries
+    from tests.e2e.cluster import bare_cluster, install_this_release, metacontroller_binary
+    from tests.kube.apiserver import ControlPlane, ensure_binaries
     from tests.kube.conftest import crd_names, wait_established
     from tests.kube.gobuild import keda_operator_binary, kwok_binary
-    from tests.third_party import metacontroller_crds, module_dir
+    from tests.third_party import module_dir
 
     bin_dir = ensure_binaries()
     mc = metacontroller_binary()
@@ -204,20 +202,8 @@ def e2e_cluster() -> Iterator[Any]:
     plane.start()
     env = None
     try:
-        files = metacontroller_crds()
-        plane.kubectl("apply", "--server-side", *[a for f in files for a in ("-f", str(f))])
-        wait_established(plane, crd_names(plane, *files))
-        env = Cluster(plane, mc)
-        env.start_kube_controllers()
-        env.start_kwok(kwok)
-        plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
-        plane.kubectl("-n", "noctaya-system", "create", "secret", "generic", "noctaya-hooks",
-                      f"--from-literal=hook-token={env.hook_token}", f"--from-literal=token-key={os.urandom(16).hex()}")
-        subprocess.run(["bash", str(REPO_ROOT / "tools" / "make-hook-cert.sh")], check=True, capture_output=True,
-                       timeout=120, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "KUBECONFIG": str(plane.kubeconfig),
-                                         "HOME": str(plane.workdir)})
-        env.start_hook_server()
-        env.start_metacontroller()
+        env = bare_cluster(plane, mc, kwok)
+        install_this_release(env)
         # KEDA as test_scale_from_zero's `keda` fixture installs it: every CRD of the release, then the operator.
         crds = sorted((module_dir("KEDA_MODULE") / "config" / "crd" / "bases").glob("*.yaml"))
         env.kubectl("apply", "--server-side", *[a for p in crds for a in ("-f", str(p))])

@@ -31,7 +31,7 @@ from hooks.api.common import (
     duration_seconds,
 )
 from hooks.api.status import LLMServiceStatus
-from hooks.api.upgrades import TIME_ZONE_RE, Upgrades
+from hooks.api.upgrades import TIME_ZONE_RE, Upgrades, cron_window_rules
 from hooks.errors import explain_pattern
 from prewarm import sources
 
@@ -224,23 +224,7 @@ class WarmWindow(ApiModel):
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel=f"self.start.matches({_cel_string(cron.CRON_RE)})",
-            message="schedules[].start must be a 5-field cron expression (minute 0-59, hour 0-23, day of month "
-            "1-31, month 1-12 or JAN-DEC, day of week 0-6 or SUN-SAT), e.g. \"0 8 * * MON-FRI\"",
-            check=lambda w: re.match(cron.CRON_RE, w.start) is not None,
-        ),
-        Rule(
-            cel=f"self.end.matches({_cel_string(cron.CRON_RE)})",
-            message="schedules[].end must be a 5-field cron expression (minute 0-59, hour 0-23, day of month "
-            "1-31, month 1-12 or JAN-DEC, day of week 0-6 or SUN-SAT), e.g. \"0 18 * * MON-FRI\"",
-            check=lambda w: re.match(cron.CRON_RE, w.end) is not None,
-        ),
-        Rule(
-            cel="self.start != self.end",
-            message="schedules[].start and end must differ",
-            check=lambda w: w.start != w.end,
-        ),
+        *cron_window_rules("schedules", "0 8 * * MON-FRI", "0 18 * * MON-FRI"),
         Rule(
             cel="!has(self.leadTime) || self.leadTime == 'auto' || duration(self.leadTime) <= duration('1h')",
             message="schedules[].leadTime must be auto or a duration up to 1h",

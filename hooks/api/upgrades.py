@@ -43,6 +43,30 @@ def _cel_string(regex: str) -> str:
     return "'" + regex.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def cron_window_rules(field: str, start_example: str, end_example: str) -> tuple[Rule, ...]:
+    """The admission rules of a start/end cron window (warm windows, upgrade windows): both 5-field
+    cron expressions, and different. `field` names the list in messages, e.g. "schedules"."""
+    help_text = ("5-field cron expression (minute 0-59, hour 0-23, day of month 1-31, month 1-12 or JAN-DEC, day "
+                 "of week 0-6 or SUN-SAT)")
+    return (
+        Rule(
+            cel=f"self.start.matches({_cel_string(cron.CRON_RE)})",
+            message=f"{field}[].start must be a {help_text}, e.g. \"{start_example}\"",
+            check=lambda w: re.match(cron.CRON_RE, w.start) is not None,
+        ),
+        Rule(
+            cel=f"self.end.matches({_cel_string(cron.CRON_RE)})",
+            message=f"{field}[].end must be a {help_text}, e.g. \"{end_example}\"",
+            check=lambda w: re.match(cron.CRON_RE, w.end) is not None,
+        ),
+        Rule(
+            cel="self.start != self.end",
+            message=f"{field}[].start and end must differ",
+            check=lambda w: w.start != w.end,
+        ),
+    )
+
+
 class UpgradeWindow(ApiModel):
     """A recurring time in which a warm model may take Noctaya's pending changes (its Pods restart)."""
 
@@ -52,25 +76,7 @@ class UpgradeWindow(ApiModel):
     time_zone: str = Field(default="UTC", description="IANA time zone both expressions are read in, "
                            "e.g. Europe/Berlin.", max_length=64, pattern=TIME_ZONE_RE)
 
-    rules: ClassVar[tuple[Rule, ...]] = (
-        Rule(
-            cel=f"self.start.matches({_cel_string(cron.CRON_RE)})",
-            message="upgrades.windows[].start must be a 5-field cron expression (minute 0-59, hour 0-23, day of "
-            "month 1-31, month 1-12 or JAN-DEC, day of week 0-6 or SUN-SAT), e.g. \"0 3 * * SUN\"",
-            check=lambda w: re.match(cron.CRON_RE, w.start) is not None,
-        ),
-        Rule(
-            cel=f"self.end.matches({_cel_string(cron.CRON_RE)})",
-            message="upgrades.windows[].end must be a 5-field cron expression (minute 0-59, hour 0-23, day of "
-            "month 1-31, month 1-12 or JAN-DEC, day of week 0-6 or SUN-SAT), e.g. \"0 5 * * SUN\"",
-            check=lambda w: re.match(cron.CRON_RE, w.end) is not None,
-        ),
-        Rule(
-            cel="self.start != self.end",
-            message="upgrades.windows[].start and end must differ",
-            check=lambda w: w.start != w.end,
-        ),
-    )
+    rules: ClassVar[tuple[Rule, ...]] = cron_window_rules("upgrades.windows", "0 3 * * SUN", "0 5 * * SUN")
 
     @model_validator(mode="after")
     def _check_beyond_cel(self) -> UpgradeWindow:

@@ -143,6 +143,40 @@ class Timeline:
             time.sleep(0.2)
 
 
+def bare_cluster(plane: ControlPlane, metacontroller: Path, kwok: Path) -> Cluster:
+    """On a started API server: Metacontroller's CRDs, kube-controller-manager, kube-scheduler and kwok's
+    node; nothing of Noctaya yet (each caller installs a release its own way)."""
+    from tests.kube.conftest import crd_names, wait_established
+    from tests.third_party import metacontroller_crds
+
+    files = metacontroller_crds()
+    plane.kubectl("apply", "--server-side", *[a for f in files for a in ("-f", str(f))])
+    wait_established(plane, crd_names(plane, *files))
+    cluster = Cluster(plane, metacontroller)
+    cluster.start_kube_controllers()
+    cluster.start_kwok(kwok)
+    return cluster
+
+
+def install_this_release(cluster: Cluster) -> None:
+    """This checkout installed as docs/install.md says, its hook server and Metacontroller running."""
+    plane = cluster.plane
+    plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
+    plane.kubectl("-n", "noctaya-system", "create", "secret", "generic", "noctaya-hooks",
+                  f"--from-literal=hook-token={cluster.hook_token}", f"--from-literal=token-key={os.urandom(16).hex()}")
+    # The hook server's certificate, made as docs/install.md says (the script calls kubectl).
+    subprocess.run(["bash", str(REPO_ROOT / "tools" / "make-hook-cert.sh")], check=True, capture_output=True,
+                   timeout=120, env={"PATH": f"{plane.bin_dir}:{os.environ['PATH']}", "KUBECONFIG": str(plane.kubeconfig),
+                                     "HOME": str(plane.workdir)})
+    # A deleted member's backend outlives its route by this grace (90 s by default: a kubelet's
+    # ConfigMap refresh); LocalPods refresh every second, so 5 s is the same margin here.
+    cluster.start_hook_server(env_extra={"NOCTAYA_ROUTE_GRACE_SECONDS": str(ROUTE_GRACE_SECONDS)})
+    cluster.start_metacontroller()
+
+
+ROUTE_GRACE_SECONDS = 5
+
+
 class Cluster:
     """API server + installed Noctaya + hook server + Metacontroller; ``kubectl`` and ``get`` helpers."""
 

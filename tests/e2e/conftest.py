@@ -13,19 +13,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary, private_listeners, process_start_time
-from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
-from tests.kube.conftest import crd_names, wait_established
+from tests.e2e.cluster import (
+    Cluster,
+    Timeline,
+    bare_cluster,
+    install_this_release,
+    metacontroller_binary,
+    private_listeners,
+    process_start_time,
+)
+from tests.kube.apiserver import ControlPlane, KubeUnavailable, ensure_binaries
 from tests.kube.gobuild import kwok_binary
-from tests.third_party import metacontroller_crds
-
-ROUTE_GRACE_SECONDS = 5
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -56,24 +59,8 @@ def cluster() -> Iterator[Cluster]:
     env = None
     started: dict[int, str | None] = {}  # pid -> start time: a reused PID is not ours
     try:
-        files = metacontroller_crds()
-        args = [a for f in files for a in ("-f", str(f))]
-        plane.kubectl("apply", "--server-side", *args)
-        wait_established(plane, crd_names(plane, *files))
-        env = Cluster(plane, mc)
-        env.start_kube_controllers()
-        env.start_kwok(kwok)
-        plane.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
-        plane.kubectl("-n", "noctaya-system", "create", "secret", "generic", "noctaya-hooks",
-                      f"--from-literal=hook-token={env.hook_token}", f"--from-literal=token-key={os.urandom(16).hex()}")
-        # The hook server's certificate, made as docs/install.md says (the script calls kubectl).
-        subprocess.run(["bash", str(REPO_ROOT / "tools" / "make-hook-cert.sh")], check=True, capture_output=True,
-                       timeout=120, env={"PATH": f"{bin_dir}:{os.environ['PATH']}", "KUBECONFIG": str(plane.kubeconfig),
-                                         "HOME": str(plane.workdir)})
-        # A deleted member's backend outlives its route by this grace (90 s by default: a kubelet's
-        # ConfigMap refresh); LocalPods refresh every second, so 5 s is the same margin here.
-        env.start_hook_server(env_extra={"NOCTAYA_ROUTE_GRACE_SECONDS": str(ROUTE_GRACE_SECONDS)})
-        env.start_metacontroller()
+        env = bare_cluster(plane, mc, kwok)
+        install_this_release(env)
         started = {proc.pid: process_start_time(proc.pid) for _name, proc in plane._procs}
         yield env
     finally:

@@ -237,7 +237,7 @@ def test_deleting_a_member_keeps_its_backend_past_its_route_and_deleting_the_gat
     """Issue 28's deletions on the real control plane, continuing the world above: a member's backend
     outlives its route (the grace the hook server is given: tests/e2e/conftest.py), and once the
     LLMGateway is gone, a warm member's ScaledObject scales it to zero."""
-    from tests.e2e.conftest import ROUTE_GRACE_SECONDS
+    from tests.e2e.cluster import ROUTE_GRACE_SECONDS
 
     if not world.gateway.addresses:
         pytest.skip("continues the previous tests")

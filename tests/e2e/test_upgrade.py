@@ -36,15 +36,14 @@ import pytest
 from hooks.config import DEFAULT_IMAGE
 from hooks.controller.rollout import APPROVE_ANNOTATION
 from hooks.resources import names
-from tests.e2e.cluster import Cluster, Timeline, metacontroller_binary
+from tests.e2e.cluster import Cluster, Timeline, bare_cluster, metacontroller_binary
 from tests.e2e.pods import LocalPods, ModelServer
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import ANSWER, GATEWAY_PORT, MODEL_PORT, llmservice
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
-from tests.kube.conftest import crd_names, wait_established
 from tests.kube.gobuild import helm_binary, keda_operator_binary, kwok_binary
 from tests.previous_release import PREVIOUS, ReleaseUnavailable, source_tree
-from tests.third_party import ThirdPartyUnavailable, metacontroller_crds
+from tests.third_party import ThirdPartyUnavailable
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -70,12 +69,7 @@ def fresh_cluster() -> Iterator[Cluster]:
     plane.start()
     cluster: Cluster | None = None
     try:
-        files = metacontroller_crds()
-        plane.kubectl("apply", "--server-side", *[a for f in files for a in ("-f", str(f))])
-        wait_established(plane, crd_names(plane, *files))
-        cluster = Cluster(plane, mc)
-        cluster.start_kube_controllers()
-        cluster.start_kwok(kwok)
+        cluster = bare_cluster(plane, mc, kwok)
         cluster.install_keda_crds()
         cluster.start_keda(keda_operator_binary())
         yield cluster
