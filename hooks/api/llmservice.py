@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import zoneinfo
-from functools import lru_cache
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -31,7 +29,7 @@ from hooks.api.common import (
     duration_seconds,
 )
 from hooks.api.status import LLMServiceStatus
-from hooks.api.upgrades import TIME_ZONE_RE, Upgrades, cron_window_rules
+from hooks.api.upgrades import TIME_ZONE_RE, Upgrades, check_window_expressions, cron_window_rules
 from hooks.errors import explain_pattern
 from prewarm import sources
 
@@ -193,11 +191,6 @@ _TIME_ZONE_RE = TIME_ZONE_RE
 MAX_LEAD_SECONDS = 3600
 
 
-@lru_cache(maxsize=1)
-def _time_zones() -> frozenset[str]:
-    return frozenset(zoneinfo.available_timezones())
-
-
 def lead_minutes(seconds: float) -> int:
     """A lead time in whole minutes (cron's resolution), rounded up: never opens late."""
     return min(math.ceil(seconds / 60), MAX_LEAD_SECONDS // 60)
@@ -236,13 +229,7 @@ class WarmWindow(ApiModel):
     def _check_beyond_cel(self) -> WarmWindow:
         """What CEL cannot say: the time zone database, backwards ranges, and whether a lead time
         can be written as one earlier cron expression. The hooks then report the spec invalid."""
-        for name, expr in (("start", self.start), ("end", self.end)):
-            bad = cron.problem(expr)
-            if bad is not None:
-                raise ValueError(f"schedules[].{name} {expr!r}: {bad}")
-        if self.time_zone not in _time_zones():
-            raise ValueError(f"schedules[].timeZone {self.time_zone!r} is not an IANA time zone "
-                             "(e.g. Europe/Berlin, America/New_York, UTC)")
+        check_window_expressions("schedules", self.start, self.end, self.time_zone)
         if self.lead_time is not None:
             leads = range(1, MAX_LEAD_SECONDS // 60 + 1) if self.lead_time == "auto" else [self.lead(None)]
             if any(cron.shift_earlier(self.start, m) is None for m in leads):

@@ -67,6 +67,18 @@ def cron_window_rules(field: str, start_example: str, end_example: str) -> tuple
     )
 
 
+def check_window_expressions(field: str, start: str, end: str, time_zone: str) -> None:
+    """What CEL cannot say about a cron window (warm or upgrade): backwards ranges and the time zone
+    database. Raises ValueError naming `field` (e.g. "schedules")."""
+    for name, expr in (("start", start), ("end", end)):
+        bad = cron.problem(expr)
+        if bad is not None:
+            raise ValueError(f"{field}[].{name} {expr!r}: {bad}")
+    if time_zone not in time_zones():
+        raise ValueError(f"{field}[].timeZone {time_zone!r} is not an IANA time zone "
+                         "(e.g. Europe/Berlin, America/New_York, UTC)")
+
+
 class UpgradeWindow(ApiModel):
     """A recurring time in which a warm model may take Noctaya's pending changes (its Pods restart)."""
 
@@ -82,13 +94,7 @@ class UpgradeWindow(ApiModel):
     def _check_beyond_cel(self) -> UpgradeWindow:
         """What CEL cannot say: backwards ranges, the time zone database, starts and ends that do not
         take turns (the window would open at other times than written)."""
-        for name, expr in (("start", self.start), ("end", self.end)):
-            bad = cron.problem(expr)
-            if bad is not None:
-                raise ValueError(f"upgrades.windows[].{name} {expr!r}: {bad}")
-        if self.time_zone not in time_zones():
-            raise ValueError(f"upgrades.windows[].timeZone {self.time_zone!r} is not an IANA time zone "
-                             "(e.g. Europe/Berlin, America/New_York, UTC)")
+        check_window_expressions("upgrades.windows", self.start, self.end, self.time_zone)
         turns = cron.pairing(self.start, self.end, cron.this_year())
         if turns.problem is not None:
             raise ValueError(f"upgrades.windows[]: {turns.problem}")
