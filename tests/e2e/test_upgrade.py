@@ -48,6 +48,8 @@ from tests.third_party import ThirdPartyUnavailable
 pytestmark = pytest.mark.timeout(900)
 
 NS = "upgrade"
+EXAMPLES_NS = "examples"  # every example of the previous release, as its users applied them
+CHILD_KINDS = "deployments,services,secrets,persistentvolumeclaims,jobs,poddisruptionbudgets,configmaps,scaledobjects"
 MESSAGES = [{"role": "user", "content": "hi"}]
 READY_BOUND_SECONDS = 60.0  # every model Ready again, as this release's hooks see it, within this
 
@@ -110,15 +112,49 @@ def install_previous(cluster: Cluster, installer: str, old: Path) -> None:
 
 
 def upgrade_to_this(cluster: Cluster, installer: str) -> None:
-    """docs/upgrading.md: CRDs first, then the install, then the hook server's rollout."""
+    """docs/upgrading.md: the namespaces that hold LLMGateways enabled, the CRDs, the install, then the
+    hook server's rollout."""
     if installer == "kustomize":
+        cluster.kubectl("apply", "--server-side", "-n", EXAMPLES_NS, "-f",
+                        str(REPO_ROOT / "metacontroller" / "llmgateway-namespace" / "rolebinding.yaml"))
         cluster.kubectl("apply", "--server-side", "-k", str(REPO_ROOT / "metacontroller"))
     else:
         # Helm installs crds/ on first install only: the CRDs are applied by hand, taking them over.
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "charts" / "noctaya" / "crds"))
         helm(cluster, "upgrade", "noctaya", str(REPO_ROOT / "charts" / "noctaya"), "--namespace", "noctaya-system",
-             "--wait=false")
+             "--reset-then-reuse-values", "--set", f"llmGateway.namespaces={{{EXAMPLES_NS}}}", "--wait=false")
     cluster.replace_hook_server(REPO_ROOT)
+
+
+def apply_examples(cluster: Cluster, old: Path) -> list[tuple[str, str]]:
+    """Every runtime, model and gateway example of the previous release, as its docs had users apply
+    them; returns (kind, name) of the LLMServices and LLMGateways."""
+    cluster.kubectl("create", "namespace", EXAMPLES_NS)
+    for path in sorted((old / "examples" / "runtimes").glob("*.yaml")):
+        cluster.kubectl("apply", "--server-side", "-f", str(path))
+    parents: list[tuple[str, str]] = []
+    for folder in ("models", "gateways"):
+        for path in sorted((old / "examples" / folder).glob("*.yaml")):
+            cluster.kubectl("apply", "--server-side", "-n", EXAMPLES_NS, "-f", str(path))
+            for line in cluster.kubectl("create", "--dry-run=client", "-o", "name", "-f", str(path)).stdout.split():
+                kind, _, name = line.partition("/")
+                if kind.startswith(("llmservice", "llmgateway")):
+                    parents.append((kind.split(".")[0], name))
+    return parents
+
+
+def example_children(cluster: Cluster) -> set[str]:
+    """kind/name of every object the examples' controllers made (by their owner labels)."""
+    found: set[str] = set()
+    for selector in ("serving.noctaya.io/llmservice", "serving.noctaya.io/llmgateway"):
+        out = cluster.kubectl("get", CHILD_KINDS, "-n", EXAMPLES_NS, "-l", selector, "-o", "name").stdout
+        found |= set(out.split())
+    return found
+
+
+def answered_by_this_release(obj: dict[str, Any] | None) -> bool:
+    meta, status = (obj or {}).get("metadata", {}), (obj or {}).get("status", {})
+    return status.get("observedGeneration") == meta.get("generation") and "UpgradePending" in conditions(obj)
 
 
 # --- the models and their clients ---------------------------------------------------------------
@@ -213,15 +249,27 @@ class World:
         return obj["spec"]["template"]
 
     def answered_by_this_release(self, model: str) -> bool:
-        obj = self.get("llmservice", model) or {}
-        meta, status = obj.get("metadata", {}), obj.get("status", {})
-        return status.get("observedGeneration") == meta.get("generation") and "UpgradePending" in conditions(obj)
+        return answered_by_this_release(self.get("llmservice", model))
 
     def stop(self) -> None:
         for server in self.servers.values():
             server.stop()
         for pods in self.gateways.values():
             pods.stop()
+
+
+def runtime_deleted(world: World, cluster: Cluster) -> None:
+    """Deleting the runtime of a warm model keeps what it has (never destructive), and the kept
+    ScaledObject still takes it to zero: nothing strands its accelerators."""
+    assert world.ask("steady") == ANSWER
+    triggers = (world.get("scaledobject", names.scaled_object("steady")) or {})["spec"]["triggers"]
+    cluster.kubectl("delete", "inferenceruntime", "llamacpp-cpu", "--wait=false")
+    world.wait("steady: RuntimeNotFound, its children kept", lambda: (
+        world.status("steady").get("RuntimeResolved") == "False/RuntimeNotFound"
+        and world.get("deployment", names.backend("steady")) is not None))
+    world.wait("steady: scaled to zero by its kept ScaledObject", lambda: (
+        (world.get("deployment", names.backend("steady")) or {}).get("spec", {}).get("replicas") == 0), timeout=120)
+    assert (world.get("scaledobject", names.scaled_object("steady")) or {})["spec"]["triggers"] == triggers
 
 
 @pytest.mark.parametrize("installer", ["kustomize", "helm"])
@@ -242,13 +290,20 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
             world.add("idle", {})
             for model in ("steady", "pinned", "idle"):
                 world.start(model)
-            timeline.note(f"release {PREVIOUS.version} installed with {installer}; three models rendered by it")
+            examples = apply_examples(cluster, old)
+            world.wait("every example answered by the previous release", lambda: all(
+                (cluster.get(kind, name, EXAMPLES_NS) or {}).get("status", {}).get("observedGeneration")
+                for kind, name in examples))
+            timeline.note(f"release {PREVIOUS.version} installed with {installer}; three models and "
+                          f"{len(examples)} examples rendered by it")
             for model in ("steady", "idle"):  # cold starts, through the previous release's gateways
                 assert world.ask(model) == ANSWER
             world.wait("pinned: its backend Ready (scaling.min 1)", lambda: bool(world.servers["pinned"].ready_pods()))
             loads = {m: Load(world.gateways[m].url(0, GATEWAY_PORT)).start() for m in ("steady", "pinned")}
             time.sleep(2.0)
             pods_before = {m: world.backend_pods(m) for m in ("steady", "pinned", "idle")}
+            examples_before = example_children(cluster)
+            ready_before = {p: conditions(cluster.get(*p, EXAMPLES_NS)).get("Ready") for p in examples}
             templates_before = {m: world.template(names.gateway(m)) for m in ("steady", "pinned", "idle")}
             assert all(pods_before.values()), pods_before
 
@@ -259,9 +314,14 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
                 world.wait(f"{model}: answered by this release and Ready", lambda m=model: (
                     world.answered_by_this_release(m) and world.status(m).get("Ready", "").startswith("True")),
                     timeout=READY_BOUND_SECONDS)
+            world.wait("every example answered by this release, as Ready as before", lambda: all(
+                answered_by_this_release(cluster.get(kind, name, EXAMPLES_NS))
+                and conditions(cluster.get(kind, name, EXAMPLES_NS)).get("Ready") == ready_before[(kind, name)]
+                for kind, name in examples), timeout=READY_BOUND_SECONDS)
             ready_after = time.monotonic() - started
+            assert example_children(cluster) == examples_before, "an upgrade deleted or added an example's child"
             # The objects the previous release stored are valid under the new CRDs: each re-applied as is.
-            for kind in ("llmservices", "inferenceruntimes"):
+            for kind in ("llmservices", "inferenceruntimes", "llmgateways"):
                 listed = json.loads(cluster.kubectl("get", kind, "-A", "-o", "json").stdout)["items"]
                 for obj in listed:
                     body = {k: obj[k] for k in ("apiVersion", "kind", "spec")}
@@ -298,6 +358,8 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
                 world.template(names.gateway("pinned"))["spec"]["containers"][0]["image"] == DEFAULT_IMAGE
                 and world.status("pinned").get("UpgradePending", "").startswith("False")))
             assert world.backend_pods("pinned") == pods_before["pinned"], "pinned: the approval restarted its backend"
+            if installer == "kustomize":
+                runtime_deleted(world, cluster)
             figures = {m: loads[m].answered for m in loads}
             print(f"\nupgrade {PREVIOUS.version} -> this checkout ({installer}): backend Pods restarted 0, "
                   f"client requests failed 0 (answered during the upgrade: {figures}), every model Ready and "
