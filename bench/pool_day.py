@@ -188,14 +188,12 @@ def describe(arrivals: list[Arrival], start: float, end: float) -> str:
 def e2e_cluster() -> Iterator[Any]:
     from tests.e2e.cluster import bare_cluster, install_this_release, metacontroller_binary
     from tests.kube.apiserver import ControlPlane, ensure_binaries
-    from tests.kube.conftest import crd_names, wait_established
     from tests.kube.gobuild import keda_operator_binary, kwok_binary
-    from tests.third_party import module_dir
 
     bin_dir = ensure_binaries()
     mc = metacontroller_binary()
     kwok = kwok_binary()
-    operator = keda_operator_binary()
+    keda_operator_binary()  # built before the clock starts; install_keda finds it
     if shutil.which("unshare") is None:
         raise SystemExit("`unshare` (util-linux) not found: needed to give Metacontroller a private hosts file")
     plane = ControlPlane(bin_dir)
@@ -204,11 +202,7 @@ def e2e_cluster() -> Iterator[Any]:
     try:
         env = bare_cluster(plane, mc, kwok)
         install_this_release(env)
-        # KEDA as test_scale_from_zero's `keda` fixture installs it: every CRD of the release, then the operator.
-        crds = sorted((module_dir("KEDA_MODULE") / "config" / "crd" / "bases").glob("*.yaml"))
-        env.kubectl("apply", "--server-side", *[a for p in crds for a in ("-f", str(p))])
-        wait_established(plane, crd_names(plane, *crds))
-        env.start_keda(operator)
+        env.install_keda()
         yield env
     finally:
         if env is not None:

@@ -95,9 +95,11 @@ class LLMGatewaySpec(ApiModel):
         description="Registry credentials (kubernetes.io/dockerconfigjson Secrets in this namespace) for the shared "
         "gateway and aggregate scaler Pods.",
     )
-    upgrades: Upgrades = Field(
-        default_factory=Upgrades,
-        description="How Noctaya's own changes (a new release, an install setting) reach the shared gateway's Pods: "
+    # No schema default, as on LLMService (docs/upgrading.md, "New fields").
+    upgrades: Upgrades | None = Field(
+        default=None,
+        description="How Noctaya's own changes (a new release, an install setting) reach the shared gateway's Pods "
+        "(absent: policy WhenIdle, no windows): "
         "with WhenIdle they wait until every routed model is at zero replicas (nothing is held or streaming "
         "through the gateway then), a window, or an approval. Changes to this LLMGateway roll at once.",
     )

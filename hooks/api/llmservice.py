@@ -532,10 +532,14 @@ class LLMServiceSpec(ApiModel):
         description="Registry credentials (kubernetes.io/dockerconfigjson Secrets in this namespace) for every Pod "
         "rendered for this LLMService: backend, gateways, aggregate scaler; added to the runtime's own.",
     )
-    upgrades: Upgrades = Field(
-        default_factory=Upgrades,
+    # No schema default (absent means the defaults of Upgrades): while an upgrade rolls, the previous
+    # release's hook server reads every stored object, and a field the API server filled in would be
+    # unknown to it (docs/upgrading.md, "New fields").
+    upgrades: Upgrades | None = Field(
+        default=None,
         description="How Noctaya's own changes (a new release, an install setting) reach this model's running "
-        "Pods without reloading it while it is warm. Changes to this LLMService or its runtime roll at once.",
+        "Pods without reloading it while it is warm (absent: policy WhenIdle, no windows). Changes to this "
+        "LLMService or its runtime roll at once.",
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (

@@ -43,6 +43,7 @@ from hooks.api.common import API_VERSION
 from hooks.api.llmgateway import LLMGateway, LLMGatewaySpec
 from hooks.api.llmservice import Endpoint
 from hooks.api.status import ConditionType
+from hooks.api.upgrades import Upgrades
 from hooks.config import HookConfig, resolve
 from hooks.controller import observe as obs
 from hooks.controller import rollout
@@ -398,7 +399,7 @@ def settle_rollout(gw: LLMGateway, parent: dict[str, Any], observed: obs.Observe
         return rollout.with_inputs(child, rollout.inputs_digest(spec=spec, demandCap=demand_cap if aggregator else None))
 
     kids = [annotate(c) for c in kids]
-    facts = rollout.Facts(upgrades=gw.spec.upgrades, warm=any(_member_warm(m) for m in members),
+    facts = rollout.Facts(upgrades=gw.spec.upgrades or Upgrades(), warm=any(_member_warm(m) for m in members),
                           approval=rollout.approval_of(parent), min_replicas=max(map(_member_min, members), default=0),
                           now=lambda: rollout.parse_clock(cfg.clock()))
     return rollout.settle(kids, rollout.candidates_of(kids, observed, ROLLED), facts, rollout.spec_seen(parent),

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from hooks.api.llmservice import LLMService
 from hooks.api.status import ConditionType, Reason
+from hooks.api.upgrades import Upgrades
 from hooks.config import HookConfig, resolve
 from hooks.controller import coldstart, rollout
 from hooks.controller import observe as obs
@@ -464,7 +465,7 @@ def settle_rollout(ctx: RenderContext, parent: dict[str, Any], observed: obs.Obs
 
     out.children = [annotate(c) for c in out.children]
     desired, current, _ready = st.deployment_counts(observed_deployment(observed, names.backend(ctx.name)))
-    facts = rollout.Facts(upgrades=ctx.service.spec.upgrades, warm=desired > 0 or current > 0,
+    facts = rollout.Facts(upgrades=ctx.service.spec.upgrades or Upgrades(), warm=desired > 0 or current > 0,
                           approval=rollout.approval_of(parent), min_replicas=ctx.service.spec.scaling.min,
                           now=lambda: rollout.parse_clock(config.clock()))
     settled = rollout.settle(out.children, rollout.candidates_of(out.children, observed, ROLLED), facts,

@@ -420,6 +420,22 @@ class Cluster:
             "--zap-log-level=info", "--zap-encoder=console"], env)
         self._still_running("keda-operator", after=2.0)
 
+    def install_keda(self) -> None:
+        """KEDA as a user installs it: every CRD of the release (its operator waits for each one's
+        informer and exits after two minutes without, ScaledJob's included), then the operator."""
+        from tests.kube.conftest import crd_names, wait_established
+        from tests.kube.gobuild import keda_operator_binary
+        from tests.third_party import module_dir
+
+        try:
+            operator = keda_operator_binary()
+            crds = sorted((module_dir("KEDA_MODULE") / "config" / "crd" / "bases").glob("*.yaml"))
+        except (KubeUnavailable, ThirdPartyUnavailable) as exc:
+            pytest.skip(str(exc))
+        self.kubectl("apply", "--server-side", *[a for p in crds for a in ("-f", str(p))])
+        wait_established(self.plane, crd_names(self.plane, *crds))
+        self.start_keda(operator)
+
     def install_keda_crds(self) -> None:
         """KEDA's CRDs from its pinned Go module, applied and Established (skips the test without them)."""
         from tests.kube.conftest import crd_names, wait_established

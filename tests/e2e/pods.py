@@ -60,7 +60,9 @@ class LocalPods:
         self._stop = threading.Event()
         self._sync: threading.Thread | None = None
 
-    def start(self, replicas: int | None = None) -> LocalPods:
+    def start(self, replicas: int | None = None, addresses: list[str] | None = None) -> LocalPods:
+        """One process per replica of the Deployment as it is now; `addresses`: listen on these (a
+        restart behind a stable Service address, as a Service's ClusterIP stays across a rollout)."""
         obj = self.cluster.get("deployment", self.deployment, self.namespace)
         assert obj is not None, f"deployment {self.namespace}/{self.deployment} does not exist"
         spec = obj["spec"]["template"]["spec"]
@@ -68,7 +70,8 @@ class LocalPods:
         (container,) = spec["containers"]
         count = obj["spec"].get("replicas", 1) if replicas is None else replicas
         for index in range(count):
-            self._start_one(index, container, spec.get("volumes") or [])
+            self._start_one(index, container, spec.get("volumes") or [],
+                            addresses[index] if addresses and index < len(addresses) else None)
         if self._config_maps and self._sync is None:
             self._sync = threading.Thread(target=self._sync_config_maps, name=f"kubelet-{self.deployment}", daemon=True)
             self._sync.start()
@@ -78,9 +81,10 @@ class LocalPods:
                     self.cluster.publish(host, self.addresses)
         return self
 
-    def _start_one(self, index: int, container: dict[str, Any], volumes: list[dict[str, Any]]) -> None:
+    def _start_one(self, index: int, container: dict[str, Any], volumes: list[dict[str, Any]],
+                   address: str | None = None) -> None:
         name = f"{self.deployment}-{index}"
-        address = self.cluster.new_address()
+        address = address or self.cluster.new_address()
         root = self.cluster.workdir / "pods" / self.namespace / f"{name}-{time.monotonic_ns()}"  # a restart gets fresh mounts
         mounts: dict[str, Path] = {}
         for mount in container.get("volumeMounts") or []:
@@ -177,6 +181,15 @@ class LocalPods:
         for name in self._names:
             self.cluster.stop_process(name)
         self._names.clear()
+
+    def rollout(self, source: Path = REPO_ROOT) -> LocalPods:
+        """The Deployment's new template, played: these processes stop and new ones start from the
+        Deployment as it is now (`source`: the tree its image runs), on the same addresses, so KEDA's
+        scaler connection finds the new Pod as it would behind the scaler Service's ClusterIP."""
+        addresses = list(self.addresses)
+        self.stop()
+        fresh = LocalPods(self.cluster, self.namespace, self.deployment, self.env_overrides, source=source)
+        return fresh.start(len(addresses), addresses=addresses)
 
 
 class ModelServer:

@@ -31,10 +31,7 @@ from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, Timeline
 from tests.e2e.pods import LocalPods, ModelServer
 from tests.e2e.test_lifecycle import conditions
-from tests.kube.apiserver import REPO_ROOT, KubeUnavailable
-from tests.kube.conftest import crd_names, wait_established
-from tests.kube.gobuild import keda_operator_binary
-from tests.third_party import ThirdPartyUnavailable, module_dir
+from tests.kube.apiserver import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,17 +46,10 @@ ANSWER = "tok0 tok1 tok2 tok3 tok4"  # what the model server streams
 
 @pytest.fixture(scope="module")
 def keda(cluster: Cluster) -> Iterator[None]:
-    """KEDA as a user installs it: every CRD of the release, then the operator."""
-    try:
-        operator = keda_operator_binary()
-        crds = sorted((module_dir("KEDA_MODULE") / "config" / "crd" / "bases").glob("*.yaml"))
-    except (KubeUnavailable, ThirdPartyUnavailable) as exc:
-        pytest.skip(str(exc))
-    cluster.kubectl("apply", "--server-side", *[a for p in crds for a in ("-f", str(p))])
-    wait_established(cluster.plane, crd_names(cluster.plane, *crds))
+    """KEDA as a user installs it (every CRD of the release, then the operator), and the runtime."""
+    cluster.install_keda()
     if cluster.get("inferenceruntime", "llamacpp-cpu") is None:
         cluster.kubectl("apply", "--server-side", "-f", str(RUNTIME))
-    cluster.start_keda(operator)
     yield
 
 

@@ -41,7 +41,7 @@ from tests.e2e.pods import LocalPods, ModelServer
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import ANSWER, GATEWAY_PORT, MODEL_PORT, llmservice
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
-from tests.kube.gobuild import helm_binary, keda_operator_binary, kwok_binary
+from tests.kube.gobuild import helm_binary, kwok_binary
 from tests.previous_release import PREVIOUS, ReleaseUnavailable, source_tree
 from tests.third_party import ThirdPartyUnavailable
 
@@ -72,8 +72,7 @@ def fresh_cluster() -> Iterator[Cluster]:
     cluster: Cluster | None = None
     try:
         cluster = bare_cluster(plane, mc, kwok)
-        cluster.install_keda_crds()
-        cluster.start_keda(keda_operator_binary())
+        cluster.install_keda()
         yield cluster
     finally:
         if cluster is not None:
@@ -290,17 +289,19 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
             world.add("idle", {})
             for model in ("steady", "pinned", "idle"):
                 world.start(model)
-            examples = apply_examples(cluster, old)
-            world.wait("every example answered by the previous release", lambda: all(
-                (cluster.get(kind, name, EXAMPLES_NS) or {}).get("status", {}).get("observedGeneration")
-                for kind, name in examples))
-            timeline.note(f"release {PREVIOUS.version} installed with {installer}; three models and "
-                          f"{len(examples)} examples rendered by it")
             for model in ("steady", "idle"):  # cold starts, through the previous release's gateways
                 assert world.ask(model) == ANSWER
             world.wait("pinned: its backend Ready (scaling.min 1)", lambda: bool(world.servers["pinned"].ready_pods()))
             loads = {m: Load(world.gateways[m].url(0, GATEWAY_PORT)).start() for m in ("steady", "pinned")}
-            time.sleep(2.0)
+            # The previous release's examples too (at zero: nothing serves them here, but every one is
+            # answered by both hook servers, and none may lose a child to the upgrade).
+            examples = apply_examples(cluster, old)
+            world.wait("every example answered by the previous release", lambda: all(
+                (cluster.get(kind, name, EXAMPLES_NS) or {}).get("status", {}).get("observedGeneration")
+                for kind, name in examples), timeout=120)
+            timeline.note(f"release {PREVIOUS.version} installed with {installer}; three models and "
+                          f"{len(examples)} examples rendered by it")
+            assert world.ask("idle") == ANSWER  # warm again when the upgrade starts (its cooldown is 10 s)
             pods_before = {m: world.backend_pods(m) for m in ("steady", "pinned", "idle")}
             examples_before = example_children(cluster)
             ready_before = {p: conditions(cluster.get(*p, EXAMPLES_NS)).get("Ready") for p in examples}
@@ -314,10 +315,19 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
                 world.wait(f"{model}: answered by this release and Ready", lambda m=model: (
                     world.answered_by_this_release(m) and world.status(m).get("Ready", "").startswith("True")),
                     timeout=READY_BOUND_SECONDS)
-            world.wait("every example answered by this release, as Ready as before", lambda: all(
-                answered_by_this_release(cluster.get(kind, name, EXAMPLES_NS))
-                and conditions(cluster.get(kind, name, EXAMPLES_NS)).get("Ready") == ready_before[(kind, name)]
-                for kind, name in examples), timeout=READY_BOUND_SECONDS)
+            def examples_behind() -> list[str]:
+                behind = []
+                for kind, name in examples:
+                    obj = cluster.get(kind, name, EXAMPLES_NS)
+                    ready = conditions(obj).get("Ready")
+                    if not answered_by_this_release(obj) or ready != ready_before[(kind, name)]:
+                        behind.append(f"{kind}/{name}: Ready {ready_before[(kind, name)]} -> {ready}, "
+                                      f"answered by this release: {answered_by_this_release(obj)}")
+                return behind
+
+            timeline.wait("every example answered by this release, as Ready as before", lambda: not examples_behind(),
+                          lambda: "; ".join(examples_behind()), READY_BOUND_SECONDS,
+                          lambda: [(n, cluster.log_tail(n, 15)) for n in ("hooks", "metacontroller")])
             ready_after = time.monotonic() - started
             assert example_children(cluster) == examples_before, "an upgrade deleted or added an example's child"
             # The objects the previous release stored are valid under the new CRDs: each re-applied as is.
@@ -342,12 +352,12 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
                 assert world.backend_pods(model) == pods_before[model], f"{model}: a backend Pod restarted"
 
             # `idle` reaches zero after its cooldown; then the waiting template applies.
-            zero = world.wait("idle: scaled to zero by KEDA, then its gateway takes this release's template", lambda: (
+            world.wait("idle: scaled to zero by KEDA, then its gateway takes this release's template", lambda: (
                 (world.get("deployment", names.backend("idle")) or {}).get("spec", {}).get("replicas") == 0
                 and world.status("idle").get("UpgradePending", "").startswith("False")
                 and world.template(names.gateway("idle"))["spec"]["containers"][0]["image"] == DEFAULT_IMAGE), timeout=120)
-            world.gateways["idle"].stop()
-            world.gateways["idle"] = LocalPods(cluster, NS, names.gateway("idle")).start()  # the rollout, played
+            zero = time.monotonic() - started
+            world.gateways["idle"] = world.gateways["idle"].rollout(REPO_ROOT)  # this release's gateway now
             world.gateways["idle"].wait_http(GATEWAY_PORT)
             assert world.ask("idle") == ANSWER  # a cold start through this release's gateway
 
@@ -363,8 +373,9 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
             figures = {m: loads[m].answered for m in loads}
             print(f"\nupgrade {PREVIOUS.version} -> this checkout ({installer}): backend Pods restarted 0, "
                   f"client requests failed 0 (answered during the upgrade: {figures}), every model Ready and "
-                  f"answered by the new hooks {ready_after:.1f}s after the upgrade began; idle's waiting template "
-                  f"applied {zero:.1f}s after it was asked to wait for zero")
+                  f"answered by the new hooks {ready_after:.1f}s after the upgrade began (with the "
+                  f"{len(examples)} examples); idle's waiting template applied by {zero:.1f}s (at zero after its "
+                  "10 s cooldown)")
         finally:
             for load in loads.values():
                 load.stop()

@@ -317,8 +317,10 @@ def test_diff_paths_names_containers_by_name() -> None:
 def test_inputs_ignore_defaults_a_new_release_adds() -> None:
     from hooks.api.llmservice import LLMServiceSpec
     bare = LLMServiceSpec.model_validate({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"}})
+    # What the API server hands over once the CRD defaults are filled in: the same inputs.
     explicit = LLMServiceSpec.model_validate({"model": {"source": "hf://a/b"}, "runtime": {"name": "r"},
-                                              "scaling": {"min": 0}, "upgrades": {"policy": "WhenIdle"}})
+                                              "scaling": {"min": 0, "max": 1, "cooldownPeriod": "5m"},
+                                              "cache": {"strategy": "NodeLocalPVC", "size": "50Gi"}})
     assert rollout.inputs_digest(spec=bare) == rollout.inputs_digest(spec=explicit)
 
 

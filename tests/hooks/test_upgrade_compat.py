@@ -246,7 +246,21 @@ def _walk(old: Any, new: Any, path: str, out: list[str]) -> None:
         _walk(old.get("additionalProperties"), new["additionalProperties"], f"{path}{{}}", out)
 
 
-def crd_tightenings(old_dir: Path, new_dir: Path) -> list[str]:
+def _new_defaults(old: Any, new: Any, path: str, out: list[str]) -> None:
+    """Record every property `new` adds with a schema default where `old` had the object: the API
+    server would put it into every stored object, which the previous release's hook server (still
+    answering while the upgrade rolls) does not know."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return
+    for name, sub in (new.get("properties") or {}).items():
+        before = (old.get("properties") or {}).get(name)
+        if before is None and isinstance(sub, dict) and "default" in sub:
+            out.append(f"{path}.{name}: added with a default")
+        _new_defaults(before, sub, f"{path}.{name}", out)
+    _new_defaults(old.get("items"), new.get("items"), f"{path}[]", out)
+
+
+def crd_changes(old_dir: Path, new_dir: Path, walk: Any) -> list[str]:
     out: list[str] = []
     for new_file in sorted(new_dir.glob("serving.noctaya.io_*.yaml")):
         old_file = old_dir / new_file.name
@@ -259,8 +273,12 @@ def crd_tightenings(old_dir: Path, new_dir: Path) -> list[str]:
             before = old_versions.get(version["name"])
             if before is None:
                 continue
-            _walk(before["schema"]["openAPIV3Schema"], version["schema"]["openAPIV3Schema"], kind, out)
+            walk(before["schema"]["openAPIV3Schema"], version["schema"]["openAPIV3Schema"], kind, out)
     return sorted(out)
+
+
+def crd_tightenings(old_dir: Path, new_dir: Path) -> list[str]:
+    return crd_changes(old_dir, new_dir, _walk)
 
 
 def documented_tightenings() -> list[str]:
@@ -278,6 +296,15 @@ def test_crd_tightenings_since_the_previous_release_are_the_documented_ones(old_
         "rule (oldSelf), or list it with its migration in docs/upgrading.md:\n" + "\n".join(found))
 
 
+def test_fields_added_since_the_previous_release_carry_no_schema_default(old_tree: Path) -> None:
+    """While an upgrade rolls, the previous release's hook server still answers (the hook server's
+    Deployment rolls after the CRDs change). A new field with a schema default would appear in every
+    stored object it reads, and its models refuse fields they do not know: every model would be
+    InvalidSpec until the new hook server answers (seen in tests/e2e/test_upgrade.py). Absent must
+    mean the default instead."""
+    assert crd_changes(old_tree / "crds", REPO / "crds", _new_defaults) == []
+
+
 def test_the_tightening_check_can_see_a_tightening(tmp_path: Path, old_tree: Path) -> None:
     """The checker itself: a pattern, a lower maxLength, a new rule and a removed field all count."""
     new = tmp_path / "crds"
@@ -289,7 +316,9 @@ def test_the_tightening_check_can_see_a_tightening(tmp_path: Path, old_tree: Pat
     spec["properties"]["engine"]["enum"] = spec["properties"]["engine"]["enum"][:2]
     spec.setdefault("x-kubernetes-validations", []).append({"rule": "self.port > 1024", "message": "high ports"})
     del spec["properties"]["shmSize"]
+    spec["properties"]["brandNew"] = {"type": "object", "default": {"on": True}}
     (new / name).write_text(yaml.safe_dump(doc))
+    assert crd_changes(old_tree / "crds", new, _new_defaults) == ["InferenceRuntime.spec.brandNew: added with a default"]
     found = crd_tightenings(old_tree / "crds", new)
     assert any("image: maxLength" in f for f in found) and any("enum loses" in f for f in found)
     assert any("'high ports'" in f for f in found) and any("shmSize: removed" in f for f in found)
