@@ -34,7 +34,8 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,8 +273,16 @@ class Cluster:
         """The hook server Deployment's rollout, played as Recreate: the old process stops (SIGTERM, its
         in-flight calls finish), then the other tree's starts on the same address; Metacontroller's
         calls in between fail and are retried with backoff, as during any hook server restart."""
-        self.stop_process("hooks")
-        self.start_hook_server(source, env_extra)
+        watchdog = getattr(self, "_hook_watchdog", None)
+        if watchdog is None:
+            self.stop_process("hooks")
+            self.start_hook_server(source, env_extra)
+            return
+        # Paused: its stack-dump signal would kill a server still starting (the handler is not yet
+        # installed, and the signal's default action is to terminate: a CI run saw "exited with -34").
+        with watchdog.paused():
+            self.stop_process("hooks")
+            self.start_hook_server(source, env_extra)
 
     @property
     def hook_url(self) -> str:
@@ -539,6 +548,8 @@ class HookServerWatchdog:
     def __init__(self, cluster: Cluster) -> None:
         self._cluster = cluster
         self._stop = threading.Event()
+        self._paused = threading.Event()
+        self._dumping = threading.Lock()  # held while probing and dumping: pause() waits it out
         self._thread = threading.Thread(target=self._run, name="hook-server-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -547,6 +558,16 @@ class HookServerWatchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.PROBE_TIMEOUT + 5)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No probe and no stack dump inside (the hook server is being replaced on purpose)."""
+        with self._dumping:
+            self._paused.set()
+        try:
+            yield
+        finally:
+            self._paused.clear()
 
     def _probe(self) -> bool:
         # http.client, not requests: warnings filters are process-wide and not thread-safe, so this
@@ -567,17 +588,21 @@ class HookServerWatchdog:
     def _run(self) -> None:
         stalled = False
         while not self._stop.wait(self.PERIOD):
-            started = time.monotonic()
-            ok = self._probe()
-            took = time.monotonic() - started
-            if ok:
-                if stalled:
-                    print(f"hook server watchdog: answering again ({took:.1f}s)", flush=True)
-                stalled = False
-            elif not stalled and not self._stop.is_set():
-                stalled = True
-                print(f"hook server watchdog: /healthz failed after {took:.1f}s; thread stacks:\n"
-                      f"{self._cluster.hook_server_stacks()}", flush=True)
+            with self._dumping:
+                if self._paused.is_set():
+                    stalled = False
+                    continue
+                started = time.monotonic()
+                ok = self._probe()
+                took = time.monotonic() - started
+                if ok:
+                    if stalled:
+                        print(f"hook server watchdog: answering again ({took:.1f}s)", flush=True)
+                    stalled = False
+                elif not stalled and not self._stop.is_set():
+                    stalled = True
+                    print(f"hook server watchdog: /healthz failed after {took:.1f}s; thread stacks:\n"
+                          f"{self._cluster.hook_server_stacks()}", flush=True)
 
 
 def process_start_time(pid: int) -> str | None:
@@ -596,7 +621,10 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(20)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:  # a starved machine: the kill stands; the test's own failure matters more
+                print(f"process {proc.pid} not reaped 20 s after SIGKILL: {proc.args}")
 
 
 def _ready(obj: dict[str, Any] | None) -> bool:

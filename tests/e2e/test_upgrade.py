@@ -75,9 +75,11 @@ def fresh_cluster() -> Iterator[Cluster]:
         cluster.install_keda()
         yield cluster
     finally:
-        if cluster is not None:
-            cluster.stop()
-        plane.stop()
+        try:
+            if cluster is not None:
+                cluster.stop()
+        finally:
+            plane.stop()
 
 
 def helm(cluster: Cluster, *args: str) -> str:
@@ -316,16 +318,19 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
                     world.answered_by_this_release(m) and world.status(m).get("Ready", "").startswith("True")),
                     timeout=READY_BOUND_SECONDS)
             def examples_behind() -> list[str]:
+                # Less Ready than before is a regression; more Ready is not (a member of a shared gateway
+                # may still have been Progressing when the upgrade began, and finish under the new hooks).
                 behind = []
                 for kind, name in examples:
                     obj = cluster.get(kind, name, EXAMPLES_NS)
                     ready = conditions(obj).get("Ready")
-                    if not answered_by_this_release(obj) or ready != ready_before[(kind, name)]:
+                    as_before = ready == ready_before[(kind, name)] or (ready or "").startswith("True")
+                    if not answered_by_this_release(obj) or not as_before:
                         behind.append(f"{kind}/{name}: Ready {ready_before[(kind, name)]} -> {ready}, "
                                       f"answered by this release: {answered_by_this_release(obj)}")
                 return behind
 
-            timeline.wait("every example answered by this release, as Ready as before", lambda: not examples_behind(),
+            timeline.wait("every example answered by this release, none less Ready than before", lambda: not examples_behind(),
                           lambda: "; ".join(examples_behind()), READY_BOUND_SECONDS,
                           lambda: [(n, cluster.log_tail(n, 15)) for n in ("hooks", "metacontroller")])
             ready_after = time.monotonic() - started
