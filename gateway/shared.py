@@ -150,7 +150,7 @@ class SharedGatewayApp(AnswersHere):
     # -- membership ----------------------------------------------------------------------------------
     def apply(self, table: ModelTable) -> TableChange:
         """Serve ``table`` from the next request on (call in the hub thread). An added model starts
-        cold; a removed one is answered ``model_not_found`` from now on; a changed one gets a new app.
+        cold; a removed one is answered as an unknown model from now on; a changed one gets a new app.
         The old apps of removed and changed models finish every request they admitted (held cold
         requests included) and close once they have none; other models are not touched."""
         change = self.table.diff(table)
