@@ -6,22 +6,32 @@ on every check so a rotated Secret (kubelet swaps the projected file) takes effe
 request without a restart. The comparison is constant-time over bytes and runs against every file,
 whichever matches, so the time taken does not tell which key (or whether an earlier one) matched.
 Neither the presented nor an expected key is ever logged or put into an error message.
+
+A shared gateway checks a request's token before reading its body, against every key of every model
+(:class:`KeyIndex`): one hash and one set lookup per request, whatever the number of key files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from scaler.secretfiles import MAX_SECRET_FILE_BYTES, read_secret_file
 
-__all__ = ["KeyFileAuthenticator", "MAX_KEY_FILE_BYTES", "MAX_KEY_FILES", "bearer_token"]
+__all__ = ["KeyFileAuthenticator", "KeyIndex", "KEY_INDEX_SECONDS", "MAX_KEY_FILE_BYTES", "MAX_KEY_FILES",
+           "bearer_token"]
 
 log = logging.getLogger("noctaya.gateway.auth")
 
 MAX_KEY_FILE_BYTES = MAX_SECRET_FILE_BYTES
 MAX_KEY_FILES = 16  # files read per check: bounds the cost one request can cause
+# How stale a KeyIndex may be: its files are reread at most this often (a shared gateway may have up
+# to 256 models of 16 files; rereading them all per request would let any caller cost that much).
+KEY_INDEX_SECONDS = 1.0
 
 
 def bearer_token(authorization_header: bytes | str | None) -> bytes | None:
@@ -86,3 +96,38 @@ class KeyFileAuthenticator:
         # Every key compared, always (no short circuit): the time does not say which one matched.
         results = [hmac.compare_digest(presented, key) for key in expected]
         return any(results)
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+class KeyIndex:
+    """Whether a bearer token is a current key of any of ``key_files``: the union of a shared
+    gateway's keys, checked before a request's body is read. One SHA-256 and one set lookup per
+    check: the set holds digests, never keys, and where a lookup lands depends on the digest alone,
+    so its time says nothing about any key. The files are reread at most every ``refresh_seconds``
+    (a rotated key opens within that; the model's own check after routing rereads its files, so a
+    revoked key never opens a model, and is refused before the body once the index is reread)."""
+
+    def __init__(self, key_files: Iterable[str], *, refresh_seconds: float = KEY_INDEX_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.key_files = tuple(dict.fromkeys(key_files))  # a file shared by several models: read once
+        self.refresh_seconds = refresh_seconds
+        self._clock = clock
+        self._digests: frozenset[bytes] = frozenset()
+        self._read_at = -math.inf
+
+    def _refresh(self) -> None:
+        now = self._clock()
+        if now - self._read_at < self.refresh_seconds:
+            return
+        self._read_at = now
+        keys = (read_secret_file(path) for path in self.key_files)  # a missing file opens nothing
+        self._digests = frozenset(_digest(key) for key in keys if key is not None)
+
+    def check(self, authorization_header: bytes | str | None) -> bool:
+        """True when the header's bearer token is one of the keys (as of the last reread)."""
+        presented = bearer_token(authorization_header)
+        self._refresh()
+        return bool(presented) and _digest(presented) in self._digests

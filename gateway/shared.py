@@ -2,11 +2,13 @@
 
 Routing by the body's top-level ``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models``
 listing the models whether cold or warm (answered here: listing wakes nothing), only those the
-caller's key opens; 404 ``model_not_found`` for a model not in the table (or one the caller's key
-does not open, on ``/v1/models/<id>``); one Pod-wide held-body budget; per model everything the
-per-model gateway has (its own ``GatewayApp``: admission and ``maxQueue``, activation lease,
-readiness prober, cold modes, upstream pool); API keys per model (``authKeyFile`` or
-``authKeyFiles``: a model's keys open that model only); ``/metrics`` with a ``model`` label;
+caller's key opens; 404 ``model_not_found`` for a model not in the table while no model has keys
+(with keys: 401, exactly as for a model the caller's key does not open; on ``/v1/models/<id>`` both
+are 404); one Pod-wide held-body budget; per model everything the per-model gateway has (its own
+``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
+pool); API keys per model (``authKeyFile`` or ``authKeyFiles``: a model's keys open that model
+only; while every model has keys, a token that is no key of any model is refused before its body is
+read); ``/metrics`` with a ``model`` label;
 ``/noctaya/queue`` per model; reloading (:meth:`apply`). docs/architecture.md, "Shared gateway model
 table".
 
@@ -27,7 +29,7 @@ from urllib.parse import unquote
 import gevent
 
 from gateway import metrics as metrics_module
-from gateway.auth import bearer_token
+from gateway.auth import KeyIndex, bearer_token
 from gateway.config import GatewayConfig
 from gateway.filewatch import DirectoryWatch, watch_directory
 from gateway.jsonscan import InvalidJSON, inspect_json_body
@@ -75,16 +77,6 @@ class _Families:
         return self._families
 
 
-class _BearerPresent:
-    @staticmethod
-    def check(authorization: bytes | None) -> bool:
-        scheme, _, token = (authorization or b"").partition(b" ")
-        return scheme.lower() == b"bearer" and bool(token.strip())
-
-
-_BEARER_PRESENT = _BearerPresent()
-
-
 class SharedGatewayApp(AnswersHere):
     """Construct inside the hub thread that will serve it (like ``GatewayApp``)."""
 
@@ -105,6 +97,7 @@ class SharedGatewayApp(AnswersHere):
         self.table = table
         self.apps: dict[str, GatewayApp] = {name: self._new_app(model) for name, model in table.models.items()}
         self._listing = self._list()
+        self._keys = self._key_index()
         self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
         # Apps of models removed or changed by a new table: they finish what they admitted, then close.
         self._retiring: list[GatewayApp] = []
@@ -127,14 +120,19 @@ class SharedGatewayApp(AnswersHere):
     def _list(self) -> bytes:
         return json.dumps({"object": "list", "data": [_model_object(n) for n in self.apps]}).encode()
 
-    @property
-    def _before_body(self) -> _BearerPresent | None:
+    def _key_index(self) -> KeyIndex | None:
         """The key check before the body names its model: none while some model takes requests
-        without a key; else a bearer token must be there (which model's key it is, is checked once
-        the model is known: checking every model's key file here would read up to 256 files)."""
+        without a key (any caller may be one of its); else the token must be a key of some model
+        (which model's, is checked once the body names it)."""
         if not self._all_keyed:
             return None
-        return _BEARER_PRESENT
+        return KeyIndex(path for app in self.apps.values() for path in app.config.key_files)
+
+    @property
+    def _refused(self) -> str:
+        """The answer for a model the caller may not use: with keys in the table, an unknown model
+        gets the same 401 as a model the key does not open, so no key tells which models exist."""
+        return "unauthorized" if any(app.auth is not None for app in self.apps.values()) else "model_not_found"
 
     @property
     def _all_keyed(self) -> bool:
@@ -152,7 +150,7 @@ class SharedGatewayApp(AnswersHere):
     # -- membership ----------------------------------------------------------------------------------
     def apply(self, table: ModelTable) -> TableChange:
         """Serve ``table`` from the next request on (call in the hub thread). An added model starts
-        cold; a removed one is answered ``model_not_found`` from now on; a changed one gets a new app.
+        cold; a removed one is answered as an unknown model from now on; a changed one gets a new app.
         The old apps of removed and changed models finish every request they admitted (held cold
         requests included) and close once they have none; other models are not touched."""
         change = self.table.diff(table)
@@ -166,6 +164,7 @@ class SharedGatewayApp(AnswersHere):
         self.apps = {name: self.apps[name] for name in table.models}
         self.table = table
         self._listing = self._list()
+        self._keys = self._key_index()
         self.reap()
         return change
 
@@ -276,7 +275,7 @@ class SharedGatewayApp(AnswersHere):
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
         if self.draining:
             conn.keep_alive = False
-        decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=self._before_body,
+        decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=self._keys,
                          max_body=self.config.max_body_bytes)
         try:
             if decision.kind == "error":
@@ -328,10 +327,8 @@ class SharedGatewayApp(AnswersHere):
             if model is None:
                 return answer_error(conn, self.metrics, "invalid_json")
             app = self.apps.get(model)
-            if app is None:
-                return answer_error(conn, self.metrics, "model_not_found")
-            if app.auth is not None and not app.auth.check(head.authorization):
-                return answer_error(conn, self.metrics, "unauthorized")  # a key of another model, or none
+            if app is None or (app.auth is not None and not app.auth.check(head.authorization)):
+                return answer_error(conn, self.metrics, self._refused)  # unknown, or not this key's
             if len(data) > app.config.max_body_bytes:
                 return answer_error(conn, self.metrics, "too_large")
             return app.dispatch(conn, head, RequestBody(data, reservation))

@@ -4,7 +4,9 @@ workers). Interact over HTTP; read state via ``call()`` (runs in the hub thread)
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ from gateway.server import GatewayServer, listen_socket
 from gateway.state.pod import DemandSampler, PodState
 from scaler.demand import DemandBroadcaster
 
-__all__ = ["ThreadedGateway"]
+__all__ = ["ThreadedGateway", "exchange"]
 
 
 class ThreadedGateway:
@@ -103,3 +105,19 @@ class ThreadedGateway:
         self._stop_requested.set()
         self._thread.join(10)
         self.sampler.stop()
+
+
+def exchange(port: int, head: bytes, body: bytes = b"", *, timeout: float = 5.0) -> tuple[float, bytes]:
+    """Send ``head`` (and ``body``, if any) on a fresh connection to 127.0.0.1 and read until the
+    gateway closes it; returns the seconds that took and every byte received. A head that declares a
+    body which is never sent shows whether the answer waited for it: it would then take ``timeout``."""
+    started = time.monotonic()
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass  # a reset after the answer (unread bytes) loses nothing already received
+    return time.monotonic() - started, received

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import openai
 import pytest
 import requests
 
+from gateway.auth import KeyIndex
 from tests.gateway.conftest import wait_for
+from tests.gateway.harness import exchange
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -70,3 +73,73 @@ def test_probe_and_monitoring_endpoints_need_no_api_key(backend, make_gateway, t
     assert requests.get(gw.admin_url + "/metrics", timeout=5).status_code == 200
     q = requests.get(gw.admin_url + "/noctaya/queue", timeout=5)
     assert q.status_code == 200 and set(json.loads(q.text)) >= {"queued", "inFlight", "lease", "backendReady"}
+
+
+def declared_body_head(authorization: bytes | None, *, expect_continue: bool = False,
+                       length: int = 8 * 1024 * 1024) -> bytes:
+    """A POST head that declares an 8 MiB body (the default limit) which the test never sends."""
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: gw", b"Content-Type: application/json",
+             b"Content-Length: %d" % length]
+    if authorization is not None:
+        lines.append(b"Authorization: " + authorization)
+    if expect_continue:
+        lines.append(b"Expect: 100-continue")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+REFUSED_AUTHORIZATIONS = [None, b"Bearer wrong", b"Bearer ", b"Basic Zmlyc3Qta2V5"]
+
+
+@pytest.mark.parametrize("expect_continue", [False, True])
+@pytest.mark.parametrize("authorization", REFUSED_AUTHORIZATIONS)
+def test_a_per_model_gateway_refuses_a_wrong_key_before_any_body_byte(
+        backend, make_gateway, tmp_path, authorization, expect_continue) -> None:
+    """The body is never sent: a 401 within a second shows nothing waited for it; no ``100
+    Continue`` invites it, and the connection closes (the unread body cannot be skipped)."""
+    key = tmp_path / "api-key"
+    key.write_text("first-key\n")
+    gw = make_gateway(backend, auth_key_file=str(key))
+    took, answer = exchange(gw.port, declared_body_head(authorization, expect_continue=expect_continue))
+    assert took < 1.0
+    assert answer.startswith(b"HTTP/1.1 401 ") and b"100 Continue" not in answer
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"\r\nconnection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == "invalid_api_key" and b"first-key" not in answer
+    assert backend.health_checks == 0 and gw.call(lambda: gw.app.admitted) == 0
+
+
+def test_the_right_key_is_invited_to_send_its_body(backend, make_gateway, tmp_path) -> None:
+    """The control of the test above: with the key, ``Expect: 100-continue`` is answered ``100
+    Continue`` and the body then sent is served."""
+    backend.start()
+    key = tmp_path / "api-key"
+    key.write_text("first-key\n")
+    gw = make_gateway(backend, auth_key_file=str(key))
+    body = json.dumps({"model": "m", "messages": MESSAGES}).encode()
+    head = declared_body_head(b"Bearer first-key", expect_continue=True, length=len(body))
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+        sock.sendall(head)
+        assert sock.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+def test_the_key_index_opens_only_current_keys_and_rereads_its_files_when_stale(tmp_path) -> None:
+    """A shared gateway's check before the body: the union of the files' keys, reread at most every
+    ``refresh_seconds``; a missing or empty file opens nothing."""
+    (tmp_path / "one").write_text("key-one\n")
+    (tmp_path / "two").write_text("key-two")
+    (tmp_path / "empty").write_text("\n")
+    now = [0.0]
+    index = KeyIndex([str(tmp_path / n) for n in ("one", "two", "empty", "missing", "one")],
+                     refresh_seconds=1.0, clock=lambda: now[0])
+    assert index.key_files == tuple(str(tmp_path / n) for n in ("one", "two", "empty", "missing"))
+    assert index.check(b"Bearer key-one") and index.check("bearer  key-two ")
+    for refused in (None, b"", b"Bearer", b"Bearer ", b"key-one", b"Basic key-one", b"Bearer key-on",
+                    b"Bearer key-one-more"):
+        assert not index.check(refused)
+    (tmp_path / "one").write_text("rotated")
+    now[0] = 0.5
+    assert index.check(b"Bearer key-one") and not index.check(b"Bearer rotated")  # not reread yet
+    now[0] = 1.5
+    assert index.check(b"Bearer rotated") and not index.check(b"Bearer key-one")

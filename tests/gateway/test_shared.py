@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -24,7 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.modeltable import parse_model_table
 from gateway.shared import SharedGatewayApp
 from tests.gateway.fakebackend import FakeBackend
-from tests.gateway.harness import ThreadedGateway
+from tests.gateway.harness import ThreadedGateway, exchange
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -438,6 +438,123 @@ def test_the_listing_shows_only_what_the_callers_key_opens(backends, tmp_path) -
         assert [m.id for m in client(gw, "key-team1").models.list()] == ["a", "org/c"]
         with pytest.raises(openai.NotFoundError):
             client(gw, "key-team2").models.retrieve("a")
+    finally:
+        gw.stop()
+
+
+def keyed_base() -> GatewayConfig:
+    return GatewayConfig(backend_url="http://unused:1", served_model_name="unused", listen_host="127.0.0.1",
+                         listen_port=0, admin_port=0, scaler_mode="off", probe_interval_seconds=0.05,
+                         probe_timeout_seconds=0.5, ready_grace_seconds=0.5, max_held_body_bytes=64 * 2**20)
+
+
+@pytest.fixture
+def team_keys(tmp_path: Path) -> Callable[..., list[str]]:
+    """Key files ``team1``, ``team2``, ``both``, holding ``key-<name>``."""
+    for name in ("team1", "team2", "both"):
+        (tmp_path / name).write_text(f"key-{name}\n")
+    return lambda *names: [str(tmp_path / n) for n in names]
+
+
+def serve_table(*entries: dict) -> ThreadedGateway:
+    base = keyed_base()
+    table = parse_model_table(json.dumps({"models": list(entries)}).encode(), base)
+    return ThreadedGateway(base, app_factory=lambda: SharedGatewayApp(base, table)).start()
+
+
+def post_head(authorization: bytes | None, length: int, *extra: bytes) -> bytes:
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: gw", b"Content-Type: application/json",
+             b"Content-Length: %d" % length, *extra]
+    if authorization is not None:
+        lines.append(b"Authorization: " + authorization)
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("expect_continue", [False, True])
+@pytest.mark.parametrize("authorization", [None, b"Bearer garbage", b"Bearer ", b"Bearer key-team1x"])
+def test_a_token_that_is_no_models_key_is_refused_before_any_body_byte(
+        backends, team_keys, authorization, expect_continue) -> None:
+    """Every model keyed: a token that is no key of any model is refused from the head alone. The
+    8 MiB body is never sent, so a 401 within a second shows nothing waited for it; no ``100
+    Continue`` invites it, and the connection closes."""
+    gw = serve_table({"name": "a", "backendURL": backends["a"].url, "authKeyFiles": team_keys("team1", "both")},
+                     {"name": "org/b", "backendURL": backends["b"].url, "authKeyFiles": team_keys("team2")})
+    try:
+        extra = [b"Expect: 100-continue"] if expect_continue else []
+        took, answer = exchange(gw.port, post_head(authorization, 8 * 1024 * 1024, *extra))
+        assert took < 1.0
+        assert answer.startswith(b"HTTP/1.1 401 ") and b"100 Continue" not in answer
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert b"\r\nconnection: close" in head.lower()
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert gw.call(lambda: gw.app.admitted) == 0 and gw.call(lambda: gw.app.budget.held_bytes) == 0
+    finally:
+        gw.stop()
+
+
+def test_a_key_is_invited_to_send_its_body_and_a_new_models_key_opens_at_once(backends, team_keys, tmp_path) -> None:
+    """The control of the test above: a key of some model gets ``100 Continue`` and is served; a
+    model added by a new table brings its key files into the check before the body at once."""
+    backends["a"].start()
+    backends["c"].start()
+    a = {"name": "a", "backendURL": backends["a"].url, "authKeyFiles": team_keys("team1")}
+    gw = serve_table(a)
+    try:
+        body = json.dumps({"model": "a", "messages": MESSAGES}).encode()
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            sock.sendall(post_head(b"Bearer key-team1", len(body), b"Expect: 100-continue"))
+            assert sock.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            sock.sendall(body)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        (tmp_path / "team4").write_text("key-team4")
+        added = parse_model_table(json.dumps({"models": [
+            a, {"name": "c", "backendURL": backends["c"].url, "authKeyFiles": team_keys("team4")},
+        ]}).encode(), keyed_base())
+        gw.call(lambda: gw.app.apply(added))
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-team4", max_retries=0, timeout=30)
+        assert client.chat.completions.create(model="c", messages=MESSAGES).choices
+    finally:
+        gw.stop()
+
+
+def test_a_key_learns_nothing_about_models_it_cannot_open(backends, team_keys) -> None:
+    """A key that opens nothing, or a key asking for a model it does not open, gets the same 401,
+    byte for byte, whether the model exists or not (the request id is the client's, so the answers
+    can be compared whole); the key's own models still answer, streamed through the openai client."""
+    def answer(gw: ThreadedGateway, authorization: bytes | None, model: str | None) -> bytes:
+        body = json.dumps({"messages": MESSAGES, **({"model": model} if model is not None else {})}).encode()
+        head = post_head(authorization, len(body), b"X-Request-Id: same", b"Connection: close")
+        return exchange(gw.port, head, body)[1]
+
+    backends["a"].start()
+    backends["c"].start()
+    a = {"name": "a", "backendURL": backends["a"].url, "authKeyFiles": team_keys("team1", "both")}
+    gw = serve_table(a, {"name": "org/b", "backendURL": backends["b"].url, "authKeyFiles": team_keys("team2")})
+    try:
+        refused = answer(gw, b"Bearer garbage", "a")
+        assert refused.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in refused
+        assert answer(gw, b"Bearer garbage", "org/b") == answer(gw, b"Bearer garbage", "org/nope") == refused
+        assert answer(gw, None, "a") == refused
+        scoped = answer(gw, b"Bearer key-team1", "org/b")
+        assert scoped.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in scoped
+        assert answer(gw, b"Bearer key-team1", "org/nope") == answer(gw, b"Bearer key-team1", None) == scoped
+        assert posts(backends["b"]) == 0 and backends["b"].health_checks == 0  # nothing woke org/b
+        team1 = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="key-team1", max_retries=0, timeout=30)
+        chunks = list(team1.chat.completions.create(model="a", messages=MESSAGES, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert [m.id for m in team1.models.list()] == ["a"]
+    finally:
+        gw.stop()
+    # With an open model in the table a request cannot be refused before its body (any caller may be
+    # one of the open model's); once the body names a model, a keyed one and an unknown one still
+    # answer alike.
+    gw = serve_table(a, {"name": "org/c", "backendURL": backends["c"].url})
+    try:
+        refused = answer(gw, None, "a")
+        assert refused.startswith(b"HTTP/1.1 401 ")
+        assert answer(gw, None, "org/nope") == answer(gw, b"Bearer garbage", "org/nope") == refused
+        assert answer(gw, b"Bearer key-team1", "org/nope") == refused
+        assert answer(gw, None, "org/c").startswith(b"HTTP/1.1 200 ")
     finally:
         gw.stop()
 
