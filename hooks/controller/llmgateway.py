@@ -16,7 +16,8 @@ Never destructive:
 - a member that no longer parses, or whose runtime cannot be resolved, keeps the entry it had in the
   observed routing ConfigMap (found through the previous status.models), and MembersAccepted names it;
 - two members with one served name: the older (creationTimestamp, then name) is routed, the other
-  reported; beyond the gateway's MAX_MODELS the first by served name are routed, the rest reported.
+  reported; beyond the gateway's MAX_MODELS the members already routed keep their place, newcomers
+  are routed oldest first while there is room, and the rest are reported (TooManyModels).
 
 A member being deleted leaves the table at once: its own finalize stops admission first too.
 
@@ -228,14 +229,24 @@ def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_stat
                                  + ", ".join(f"{c.served} ({c.service})" for c in closed)
                                  + ": not routed (add the model to a key's models, or a key without models)"))
             winners = [c for c in winners if c not in closed]
-    if len(winners) > MAX_MODELS:
-        dropped = winners[MAX_MODELS:]
-        out.problems.append((GatewayReason.TOO_MANY_MODELS,
-                             f"a gateway fronts at most {MAX_MODELS} models; not routed: "
-                             + ", ".join(f"{c.served} ({c.service})" for c in dropped)))
-        winners = winners[:MAX_MODELS]
+    winners = within_model_limit(winners, was_served, out)
     out.routed = [dataclasses.replace(c, entry=shared.with_keys(gw.spec, c.entry)) for c in winners]
     return out
+
+
+def within_model_limit(winners: list[Candidate], was_served: dict[str, str], out: Membership) -> list[Candidate]:
+    """At most MAX_MODELS, in served-name order. A full table never evicts a routed model: members
+    routed before (the previous status.models, which this hook wrote) keep their place, newcomers get
+    what is left, oldest first (creationTimestamp, then name), and the rest are reported."""
+    if len(winners) <= MAX_MODELS:
+        return winners
+    by_claim = sorted(winners, key=lambda c: (c.service not in was_served, c.created, c.service))
+    kept = {id(c) for c in by_claim[:MAX_MODELS]}
+    dropped = sorted(by_claim[MAX_MODELS:], key=lambda c: c.served)
+    out.problems.append((GatewayReason.TOO_MANY_MODELS,
+                         f"a gateway fronts at most {MAX_MODELS} models; not routed: "
+                         + ", ".join(f"{c.served} ({c.service})" for c in dropped)))
+    return [c for c in winners if id(c) in kept]
 
 
 def members_condition(membership: Membership) -> st.Cond:

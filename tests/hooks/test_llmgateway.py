@@ -188,7 +188,31 @@ def test_duplicate_served_names_route_the_oldest_then_the_first_by_name() -> Non
     assert "LLMService b-twin serves 'twin' like the older a-twin" in cond["message"]
 
 
-def test_beyond_the_gateways_model_limit_the_first_by_name_are_routed() -> None:
+def test_at_the_gateways_model_limit_every_member_is_routed() -> None:
+    out = sync(llmgateway_obj(), [member(f"m{i:03d}") for i in range(MAX_MODELS)])
+    assert len(table(out)) == MAX_MODELS
+    assert conditions(out)["MembersAccepted"]["reason"] == "AllMembersAccepted"
+
+
+def test_a_full_table_never_evicts_a_routed_model_for_a_newcomer() -> None:
+    """A newcomer whose served name sorts first, and which is even older, waits: the routed keep
+    their place (status.models says who they are), and the newcomer is reported TooManyModels."""
+    members = [member(f"m{i:03d}", created="2026-02-01T00:00:00Z") for i in range(MAX_MODELS)]
+    first = sync(llmgateway_obj(), members)
+    routed = [e["name"] for e in table(first)]
+    newcomer = member("a-new", created="2026-01-01T00:00:00Z")
+    out = sync(llmgateway_obj(status=first["status"]), [newcomer, *members])
+    assert [e["name"] for e in table(out)] == routed
+    cond = conditions(out)["MembersAccepted"]
+    assert (cond["status"], cond["reason"]) == ("False", "TooManyModels")
+    assert "not routed: a-new (a-new)" in cond["message"]
+    # Once a routed member leaves, the newcomer takes its place; the others stay.
+    out = sync(llmgateway_obj(status=out["status"]), [newcomer, *members[1:]])
+    assert [e["name"] for e in table(out)] == ["a-new", *routed[1:]]
+    assert conditions(out)["MembersAccepted"]["reason"] == "AllMembersAccepted"
+
+
+def test_beyond_the_gateways_model_limit_newcomers_are_routed_oldest_first() -> None:
     members = [member(f"m{i:03d}") for i in range(MAX_MODELS + 2)]
     out = sync(llmgateway_obj(), members)
     routed = [e["name"] for e in table(out)]
