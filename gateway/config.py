@@ -37,6 +37,11 @@ class GatewayConfig:
     retry_after_seconds: int = 10
     heartbeat_seconds: float = 10.0
     drain_grace_seconds: float = 30.0
+    # After SIGTERM, new requests are still served this long (inside the grace) while readiness says
+    # 503: Kubernetes takes a terminating Pod out of its Service's endpoints at once, but every
+    # kube-proxy (and any client-side balancer) learns it a moment later, and until then sends new
+    # connections here. Refusing them at once fails requests a rollout should never fail.
+    drain_delay_seconds: float = 5.0
     max_body_bytes: int = 8 * 1024 * 1024
     auth_key_file: str | None = None
     # A shared gateway's model with several keys (``authKeyFiles`` in the model table, not an env
@@ -200,6 +205,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "retry_after_seconds": _nonneg_int,
     "heartbeat_seconds": _pos_float,
     "drain_grace_seconds": _nonneg_float,
+    "drain_delay_seconds": _nonneg_float,
     "max_body_bytes": _pos_int,
     "auth_key_file": _text,
     "scaler_mode": _choice("local", "report", "off"),

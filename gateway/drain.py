@@ -1,8 +1,12 @@
 """Graceful shutdown of one worker on SIGTERM (the supervisor forwards it to every worker).
 
-1. readiness (``/healthz``) turns 503 and new ``/v1`` requests get 503 ``gateway_draining``, so
-   Kubernetes takes the Pod out of the Service while nothing new is accepted;
-2. requests already admitted (in flight or waiting) may finish within the drain grace;
+1. readiness (``/healthz``) turns 503 at once, while new requests are still served for the drain
+   delay (``drain_delay_seconds``, inside the grace): Kubernetes removes a terminating Pod from its
+   Service's endpoints at once, but kube-proxy and client-side balancers send new connections here
+   until they learn it;
+2. then new ``/v1`` requests get a 503 ``gateway_draining`` that closes the connection and that the
+   OpenAI SDKs retry (the request never reached a backend; the retry's connection goes elsewhere);
+   requests already admitted (in flight or waiting) may finish within the drain grace;
 3. the worker's demand is withdrawn (its row reads zero) and the ``after_withdraw`` steps run;
 4. the HTTP server stops (closing whatever is left after the grace).
 
@@ -36,12 +40,14 @@ class Drainer:
         server: GatewayServer,
         grace: float,
         *,
+        delay: float = 0.0,
         after_withdraw: list[Callable[[], None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll: float = 0.05,
     ) -> None:
         self.server = server
         self.grace = grace
+        self.delay = min(delay, grace)  # the delay is part of the grace, never beyond it
         self.after_withdraw = after_withdraw or []
         self.clock = clock
         self.poll = poll
@@ -55,14 +61,17 @@ class Drainer:
             return
         self.started = True
         app = self.server.app
-        app.start_draining()
-        log.info("draining", extra={"grace_seconds": self.grace, "admitted": app.admitted})
+        app.announce_shutdown()
+        log.info("draining", extra={"grace_seconds": self.grace, "delay_seconds": self.delay, "admitted": app.admitted})
         gevent.spawn(self._run)
 
     def _run(self) -> None:
         app = self.server.app
-        deadline = self.clock() + self.grace
+        now = self.clock()
+        deadline = now + self.grace
         try:
+            gevent.sleep(max(0.0, now + self.delay - self.clock()))
+            app.start_draining()
             while app.admitted > 0 and self.clock() < deadline:
                 gevent.sleep(self.poll)
             self.unfinished = app.admitted

@@ -61,7 +61,7 @@ ERRORS: dict[str, GatewayError] = {
         "The model backend is starting; retry after the indicated delay.",
     ),
     "draining": GatewayError(
-        503, "service_unavailable", "gateway_draining", "The gateway is shutting down; retry elsewhere."
+        503, "service_unavailable", "gateway_draining", "The gateway is shutting down; retry the request."
     ),
     "backend_failure": GatewayError(
         502, "backend_error", "backend_failure", "The model backend failed while serving the request."
@@ -74,8 +74,10 @@ ERRORS: dict[str, GatewayError] = {
 
 
 # Answers where a client retry cannot help (the openai SDK retries 5xx unless told not to): an
-# activation that timed out already waited the whole timeout, a draining gateway is going away.
-NO_RETRY = frozenset({"activation_timeout", "draining"})
+# activation that timed out already waited the whole timeout. A draining gateway's 503 is retried:
+# the request never reached a backend, the answer closes the connection, and by then (after
+# drain_delay_seconds) the Pod is out of its Service, so the retry's new connection reaches another.
+NO_RETRY = frozenset({"activation_timeout"})
 
 
 def error_body(error: GatewayError) -> bytes:

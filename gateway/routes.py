@@ -112,6 +112,7 @@ class AnswersHere:
 
     metrics: GatewayMetrics
     draining: bool
+    unready = False  # readiness 503 after SIGTERM, while requests are still served (the drain delay)
 
     def _error(self, conn: ClientConnection, name: str, extra: list[tuple[bytes, bytes]] | None = None,
                *, close: bool = False) -> bool:
@@ -135,7 +136,7 @@ class AnswersHere:
         return conn.message_done
 
     def _health(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.draining:
+        if self.draining or self.unready:
             self.metrics.count_response(503)
             conn.respond(503, b'{"status":"draining"}')
             return True
@@ -146,7 +147,14 @@ class AnswersHere:
         self.metrics.count_response(429)
         self.metrics.reject("too_many_connections")
 
+    def announce_shutdown(self) -> None:
+        """Readiness turns 503 (the Pod leaves its Service); requests are still served."""
+        self.unready = True
+        self.metrics.set_draining(True)
+
     def start_draining(self) -> None:
+        """New API requests are refused (a retryable 503 that closes the connection)."""
+        self.unready = True
         self.draining = True
         self.metrics.set_draining(True)
 
@@ -215,7 +223,7 @@ class GatewayApp(AnswersHere):
 
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.draining:
+        if self.unready:  # from SIGTERM on, every answer closes its connection: the next goes elsewhere
             conn.keep_alive = False  # the connection closes after this answer: the answer says so
         path = head.path
         decision = route(head, path, admin=conn.admin, draining=self.draining, auth=self.auth,

@@ -223,6 +223,11 @@ class SharedGatewayApp(AnswersHere):
         for app in [*self.apps.values(), *self._retiring]:
             self._close(app)
 
+    def announce_shutdown(self) -> None:
+        super().announce_shutdown()
+        for app in self.apps.values():
+            app.announce_shutdown()
+
     def start_draining(self) -> None:
         super().start_draining()
         for app in self.apps.values():
@@ -273,7 +278,7 @@ class SharedGatewayApp(AnswersHere):
 
     # -- requests ------------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.draining:
+        if self.unready:
             conn.keep_alive = False
         decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=self._keys,
                          max_body=self.config.max_body_bytes)

@@ -93,7 +93,7 @@ def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listener
     public, admin = listeners
     server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
     server.start()
-    drainer = Drainer(server, config.drain_grace_seconds)
+    drainer = Drainer(server, config.drain_grace_seconds, delay=config.drain_delay_seconds)
     gevent.signal_handler(signal.SIGTERM, drainer.begin)
     gevent.signal_handler(signal.SIGINT, drainer.begin)
     # Everything allocated so far lives for the whole process: keep it out of the cyclic GC's

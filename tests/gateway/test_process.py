@@ -26,6 +26,7 @@ from tests.gateway.fakebackend import FakeBackend, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "hi"}]
+DRAIN_DELAY = 3.0  # NOCTAYA_DRAIN_DELAY_SECONDS in the drain tests
 REF = pb.ScaledObjectRef(name="qwen", namespace="models", scalerMetadata={"scalerAddress": "x:9090"})
 
 
@@ -128,9 +129,10 @@ def test_cold_request_pushes_true_on_the_real_stream(backend, channel_factory, w
 @PROCESS_MODELS
 def test_sigterm_drains(backend, channel_factory, workers, children) -> None:
     backend.tokens = 15
-    backend.stream_delay = 0.1
+    backend.stream_delay = 0.3  # the stream outlasts the drain delay: the gateway is still there after it
     backend.start()
-    gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="20", NOCTAYA_GATEWAY_WORKERS=workers)
+    gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="20", NOCTAYA_DRAIN_DELAY_SECONDS=str(DRAIN_DELAY),
+                        NOCTAYA_GATEWAY_WORKERS=workers)
     try:
         stub = pb_grpc.ExternalScalerStub(channel_factory(gw.scaler_port))
         pushes: queue.Queue = queue.Queue()
@@ -148,6 +150,7 @@ def test_sigterm_drains(backend, channel_factory, workers, children) -> None:
         t.start()
         wait_for(lambda: chunks, timeout=20, what="stream started")
         gw.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
 
         def public(call):
             # With several workers, one that has nothing left to drain closes its SO_REUSEPORT listener at
@@ -163,9 +166,22 @@ def test_sigterm_drains(backend, channel_factory, workers, children) -> None:
 
         wait_for(lambda: public(lambda: requests.get(gw.url + "/healthz", timeout=2)).status_code == 503,
                  what="not ready")
+        # Not ready, yet still serving for the drain delay: a connection a stale kube-proxy sends here
+        # is answered (and closed, so the client's next one goes elsewhere).
         resp = public(lambda: requests.post(gw.url + "/v1/chat/completions",
                                             json={"model": "m", "messages": MESSAGES}, timeout=5))
+        assert time.monotonic() - signalled < DRAIN_DELAY, "the test was too slow to ask within the delay"
+        assert resp.status_code == 200 and resp.headers["Connection"] == "close", resp.text
+        # After the delay: refused, retryably (the openai SDK retries it on a new connection).
+        resp = public(lambda: requests.post(gw.url + "/v1/chat/completions",
+                                            json={"model": "m", "messages": MESSAGES}, timeout=5))
+        while resp.status_code == 200 and time.monotonic() - signalled < DRAIN_DELAY + 5:
+            time.sleep(0.1)
+            resp = public(lambda: requests.post(gw.url + "/v1/chat/completions",
+                                                json={"model": "m", "messages": MESSAGES}, timeout=5))
+        assert time.monotonic() - signalled >= DRAIN_DELAY
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "gateway_draining"
+        assert "x-should-retry" not in resp.headers and resp.headers["Connection"] == "close"
         assert stub.IsActive(REF, timeout=5).result is True  # in-flight work still counts as demand
         t.join(30)
         body = b"".join(chunks)
