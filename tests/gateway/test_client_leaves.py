@@ -18,10 +18,14 @@ import struct
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
+import gevent
+import gevent.socket
 import pytest
 import requests
 
+from gateway.server import ClientConnection
 from tests.gateway.conftest import wait_for
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -202,3 +206,38 @@ def test_a_half_close_while_forwarding_a_warm_request_still_gets_the_answer(back
     reply = read_all(sock)
     sock.close()
     assert reply.split(b"\r\n", 1)[0].endswith(b"200 OK") and b"tok4" in reply
+
+
+# -- the rule itself, on one connection ---------------------------------------------------------------------
+@pytest.fixture
+def watched() -> Iterator[tuple[ClientConnection, socket.socket]]:
+    """A gateway-side connection (``Connection: close`` request read, hang-up watcher armed) in this
+    thread's hub, and the client's end of it."""
+    ours, theirs = gevent.socket.socketpair()
+    conn = ClientConnection(ours, "127.0.0.1", 60.0, time.monotonic)
+    conn.keep_alive = False
+    conn.arm_watch()
+    yield conn, theirs
+    conn.close()
+    theirs.close()
+
+
+def test_a_fin_during_forwarding_is_a_half_close_and_a_hang_up_once_held_again(watched) -> None:
+    """A forwarding attempt that found the backend gone puts the request back on hold: a FIN the
+    watcher let pass as a half-close while forwarding is a hang-up from then on."""
+    conn, client = watched
+    client.shutdown(socket.SHUT_WR)
+    gevent.sleep(0.05)  # the read watcher fires
+    assert not conn.gone and conn.polled  # forwarding: the client may be waiting for its answer
+    conn.hold(True)
+    assert conn.gone and conn.wake is not None and conn.wake.is_set()
+
+
+def test_a_fin_while_held_is_a_hang_up_at_once(watched) -> None:
+    conn, client = watched
+    conn.hold(True)
+    client.shutdown(socket.SHUT_WR)
+    gevent.sleep(0.05)
+    assert conn.gone
+    conn.disarm_watch()
+    assert not conn.held  # the next request on a connection starts outside a hold
