@@ -2,8 +2,11 @@
 
 Every wait here is bounded by the request's activation deadline. A held request's connection has
 its hang-up watcher armed (``ClientConnection.arm_watch``), which wakes the wait the moment the
-client leaves, so a slot is not held for a client that left (the lease - and with it the demand -
-stays, see gateway.activation) and no held request polls its socket.
+client leaves, so a slot - and the request's queued demand - is not held for a client that left
+(the activation lease stays, see gateway.activation) and no held request polls its socket. While a
+wait runs, the connection is marked held (``ClientConnection.hold``): a FIN then means the client
+left, whatever kind of client it is (keep-alive, ``Connection: close``, HTTP/1.0); a half-close is
+allowed again only once forwarding begins.
 """
 
 from __future__ import annotations
@@ -44,7 +47,18 @@ RETRY = Retry()
 def wait_ready(activation: Activation, deadline: float, until: float,
                conn: ClientConnection | None = None) -> WaitOutcome:
     """Block this greenlet until the backend is ready, the deadline passes, ``until``, or the
-    client hangs up (when its watcher is armed)."""
+    client hangs up (when its watcher is armed). The connection stays held until READY: between
+    two waits of a keepalive stream (a heartbeat write) a FIN is still a hang-up."""
+    if conn is None:
+        return _wait(activation, deadline, until, None)
+    conn.hold(True)
+    outcome = _wait(activation, deadline, until, conn)
+    if outcome is WaitOutcome.READY:
+        conn.hold(False)  # forwarding begins
+    return outcome
+
+
+def _wait(activation: Activation, deadline: float, until: float, conn: ClientConnection | None) -> WaitOutcome:
     while True:
         if activation.aborted:
             return WaitOutcome.ABORTED

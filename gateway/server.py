@@ -113,7 +113,7 @@ class ClientConnection:
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
                  "request_deadline", "timed_out", "clock", "waiting_since", "upstream", "watching", "polled", "gone",
-                 "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
+                 "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
                  "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
@@ -135,6 +135,7 @@ class ClientConnection:
         self.watching = False  # hang-up detection armed (see arm_watch)
         self.polled = False  # the read watcher cannot tell (pipelined bytes, half-close): the watchdog polls
         self.gone = False
+        self.held = False  # a cold hold: waiting for the backend, nothing forwarded (see hung_up)
         self.wake: gevent.event.Event | None = None
         self.message_done = True
         self.request_id = b""
@@ -305,7 +306,7 @@ class ClientConnection:
         Once the read watcher has fired it stays stopped (or it would fire on every loop), so when
         this cannot decide, the watchdog polls the socket's hang-up flags for the rest of the wait."""
         try:
-            gone = hung_up(self.raw, self.keep_alive)
+            gone = hung_up(self.raw, self.half_close_allowed)
         except Exception:  # noqa: BLE001
             gone = True
         if gone:
@@ -315,8 +316,26 @@ class ClientConnection:
 
     def poll_hang_up(self) -> None:
         """The watchdog's check of a connection the read watcher cannot judge."""
-        if self.watching and not self.gone and polled_hang_up(self.raw, self.keep_alive):
+        if self.watching and not self.gone and polled_hang_up(self.raw, self.half_close_allowed):
             self.hang_up()
+
+    @property
+    def half_close_allowed(self) -> bool:
+        """May the client end its sending side (FIN) and still be waiting for its answer? Only a
+        client that announced it would send nothing more (``Connection: close``, or HTTP/1.0), and
+        only while its request is being forwarded. During a cold hold nothing has reached the
+        backend yet, and a FIN is what every such client sends when it gives up (Python's urllib
+        always closes this way): treating it as a half-close kept a slot and its demand, and woke a
+        backend, for a client that was gone. A keep-alive client's FIN is a hang-up throughout."""
+        return not self.keep_alive and not self.held
+
+    def hold(self, held: bool) -> None:
+        """Enter (True) or leave (False, forwarding begins) a cold hold. Entering it re-judges a FIN
+        the watcher saw while half-close was allowed (a forwarding attempt that found the backend
+        gone again): it is a hang-up now."""
+        self.held = held
+        if held and self.polled:
+            self.poll_hang_up()
 
     def hang_up(self) -> None:
         self.gone = True
@@ -330,6 +349,7 @@ class ClientConnection:
     def disarm_watch(self) -> None:
         self.watching = False
         self.polled = False
+        self.held = False
 
     def expire(self) -> None:
         """The deadline passed: end the blocked read or write. A request that did not arrive in
@@ -356,20 +376,20 @@ class ClientConnection:
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)
 
 
-def hung_up(raw: std_socket.socket, keep_alive: bool) -> bool:
+def hung_up(raw: std_socket.socket, half_close_allowed: bool) -> bool:
     """Has the client left? A reset or error always means yes. An orderly end of its sending side
-    (FIN) means yes on a keep-alive connection; a client that announced it would send nothing more
-    (``Connection: close``, or HTTP/1.0) may half-close and still wait for its answer. Pending
-    (pipelined) bytes decide nothing: see :func:`polled_hang_up`."""
+    (FIN) means yes unless ``half_close_allowed`` (:attr:`ClientConnection.half_close_allowed`: a
+    ``Connection: close`` or HTTP/1.0 client whose request is being forwarded). Pending (pipelined)
+    bytes decide nothing: see :func:`polled_hang_up`."""
     try:
-        return raw.recv(1, _PEEK) == b"" and keep_alive
+        return raw.recv(1, _PEEK) == b"" and not half_close_allowed
     except BlockingIOError:
         return False
     except OSError:
         return True
 
 
-def polled_hang_up(raw: std_socket.socket, keep_alive: bool) -> bool:
+def polled_hang_up(raw: std_socket.socket, half_close_allowed: bool) -> bool:
     """As :func:`hung_up`, from the socket's poll flags (they see a FIN or a reset behind unread
     pipelined bytes, which a peek cannot). poll(), not select(): valid for any descriptor number."""
     poller = select.poll()
@@ -381,7 +401,7 @@ def polled_hang_up(raw: std_socket.socket, keep_alive: bool) -> bool:
     flags = events[0][1] if events else 0
     if flags & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
         return True
-    return bool(flags & _RDHUP) and keep_alive
+    return bool(flags & _RDHUP) and not half_close_allowed
 
 
 class HeldBytesExhausted(Exception):

@@ -12,6 +12,8 @@ many loopback source addresses. Every limit is exercised at the limit:
 - a worker SIGKILLed while holding most of the held-body budget gives its bytes back;
 - `/v1/models` never feeds the time-to-first-token histogram;
 - a client that hangs up after pipelining more bytes frees its slot within 2 s;
+- a `Connection: close` or HTTP/1.0 client that leaves a cold hold (FIN or reset) frees its slot and
+  its demand (the queue and KEDA's GetMetrics) within 1 s;
 - HTTP/1.0 connection semantics.
 
 Each of these runs twice (the ``shared`` fixture): against a per-model gateway and against a shared
@@ -37,9 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gateway.policy import MAX_JSON_DEPTH
+from scaler import externalscaler_pb2 as pb
+from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.gateway.abuse_harness import (
     OTHER_MODEL,
     ActiveStream,
@@ -768,6 +773,52 @@ def test_a_hang_up_after_pipelined_bytes_frees_the_slot(pipelined: bytes, pause:
         print(f"\nfreed {time.monotonic() - gone:.2f}s after the hang-up")
         assert pod.queue()["heldBytes"] == 0
     finally:
+        backend.stop()
+        logs = pod.stop()
+    assert "Traceback" not in logs
+
+
+GHOSTS = {  # clients whose FIN used to pass for a half-close: their ghosts held a slot and demand
+    "connection-close": {"headers": {"Connection": "close"}},
+    "http-1.0": {"version": "1.0"},
+}
+
+
+def demand_metric(stub: pb_grpc.ExternalScalerStub, ref: pb.ScaledObjectRef) -> int:
+    """What KEDA's GetMetrics reads."""
+    reply = stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref, metricName="noctaya-demand"), timeout=5)
+    return reply.metricValues[0].metricValue
+
+
+@pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
+def test_connection_close_and_http_1_0_ghosts_are_freed_within_a_second(reset: bool, shared: bool) -> None:
+    """Two workers, the local scaler: each held ghost shows in the queue and in GetMetrics, and both
+    are gone within a second of the client's FIN (or reset)."""
+    backend = FakeBackend()  # cold, never ready
+    pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="2", NOCTAYA_SCALER_MODE="local",
+                     NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60")
+    channel = grpc.insecure_channel(f"127.0.0.1:{pod.scaler_port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=20)
+        stub = pb_grpc.ExternalScalerStub(channel)
+        for kind, shape in GHOSTS.items():
+            sock = connect(pod.port, timeout=30)
+            sock.sendall(chat_request(chat(), **shape))
+            wait_until(lambda: pod.queue()["queued"] == 1 and demand_metric(stub, pod.ref) == 1, 10, f"{kind} held")
+            time.sleep(0.3)  # past the watchdog's tick
+            assert pod.queue()["queued"] == 1 and silent(sock), kind
+            if reset:
+                linger_reset(sock)
+            else:
+                sock.close()
+            gone = time.monotonic()
+            wait_until(lambda: pod.queue()["queued"] == 0 and demand_metric(stub, pod.ref) == 0, 1.0,
+                       f"the {kind} ghost's slot and demand freed", interval=0.02)
+            print(f"\n{kind}: freed {time.monotonic() - gone:.2f}s after the hang-up")
+            assert pod.queue()["heldBytes"] == 0
+        assert backend.requests_to("/v1/chat/completions") == []
+    finally:
+        channel.close()
         backend.stop()
         logs = pod.stop()
     assert "Traceback" not in logs
