@@ -1,12 +1,15 @@
 """Download one revision of a hub repository into the cache, verified, then promote it.
 
-The hubs' own clients do the transfer (``huggingface_hub.snapshot_download``, honouring
-``HF_ENDPOINT``; ``modelscope.snapshot_download``, honouring ``MODELSCOPE_ENDPOINT``): they know the
-protocols, retries, resumption and (for Hugging Face) Xet storage. What this module adds is what a
-cache shared with serving Pods needs: the file list is taken from the hub *before* the download, at
-one resolved commit; every listed file must arrive with its size and, where the hub gives one, its
-hash (LFS sha256 or git blob id on Hugging Face, sha256 on ModelScope); only then is ``.partial``
-renamed into place and the marker written.
+The hubs' own clients give the listing (``huggingface_hub``, honouring ``HF_ENDPOINT``;
+``modelscope``, honouring ``MODELSCOPE_ENDPOINT``): the file list is taken from the hub *before* the
+download, at one resolved commit. The transfer is this module's own (``fetch_file``, one file at a
+time from the hub's file URL), because the clients' transfers are unbounded: they write whatever the
+server sends and compare sizes only afterwards, and they wait on a trickle as long as it trickles. Here
+no file grows past its listed size and a download below a minimum rate is abandoned
+(``prewarm.transfer``), its ``.partial`` removed and the revision's lock released. Every listed file
+must then be there with its size and, where the hub gives one, its hash (LFS sha256 or git blob id on
+Hugging Face, sha256 on ModelScope); only then is ``.partial`` renamed into place and the marker
+written.
 
 Tokens come from the environment (``HF_TOKEN`` / ``MODELSCOPE_API_TOKEN``, projected from the
 Secret by the Job), never from arguments; every message this module prints is passed through
