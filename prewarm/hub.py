@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -333,5 +334,12 @@ def _failure(model: ModelDir, client: HubClient, exc: BaseException, doing: str)
     if client.auth_failure(exc) is not None:
         return PrewarmError(_auth_message(model, exc))
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    detail = f"HTTP {status}" if status else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    first = without_queries(str(exc).splitlines()[0])[:300] if str(exc) else ""
+    detail = f"HTTP {status}" if status else f"{type(exc).__name__}: {first}"
     return PrewarmError(redact(f"{model.source}@{model.revision}: {doing} failed: {detail}", _token()))
+
+
+def without_queries(text: str) -> str:
+    """A URL's query string cut from an error text: a hub's redirect to its CDN carries a signature
+    there, a short-lived credential that does not belong in the Job's log."""
+    return re.sub(r"\?[^\s'\")]+", "?…", text)

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 import requests
 
-from prewarm.hub import HASH_CHUNK, LOCK_TIMEOUT, SECRET_ENV, PrewarmError, staging_lock
+from prewarm.hub import HASH_CHUNK, LOCK_TIMEOUT, SECRET_ENV, PrewarmError, staging_lock, without_queries
 from prewarm.layout import LayoutError, ModelDir, check_regular_tree, safe_relative_path
 from prewarm.progress import Progress
 from prewarm.transfer import Limits, TransferError, stream_into
@@ -411,7 +411,8 @@ def _stage(model: ModelDir, stager: OciStager, progress_interval: float) -> dict
             raise
         if isinstance(exc, LayoutError):
             raise PrewarmError(f"{model.source}: {exc}") from None
-        first = str(exc).splitlines()[0][:300] if str(exc) else ""  # network, registry protocol, a broken archive
+        # network, registry protocol, a broken archive; a blob's redirect URL loses its signature
+        first = without_queries(str(exc).splitlines()[0])[:300] if str(exc) else ""
         raise PrewarmError(f"{model.source}: staging failed: {type(exc).__name__}: {first}") from None
     finally:
         shutil.rmtree(blobs, ignore_errors=True)

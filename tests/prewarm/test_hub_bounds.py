@@ -143,3 +143,26 @@ def test_a_stalled_download_releases_the_revision_lock_in_the_same_process(
     assert not model.partial.exists()
     with model.locked(0, logging.getLogger("test")):  # another descriptor of this process: free at once
         pass
+
+
+def test_the_rate_is_judged_over_the_last_window_not_since_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prewarm import transfer
+
+    now = [0.0]
+    monkeypatch.setattr(transfer.time, "monotonic", lambda: now[0])
+    guard = transfer.RateGuard(Limits(min_rate=100, stall_window=10), "w.bin")
+    now[0] = 5.0
+    guard.add(5000)  # a fast start...
+    for t in range(6, 15):
+        now[0] = float(t)
+        guard.add(1)  # ...then a trickle: the window ending at 14 s still holds the burst at 5 s
+    now[0] = 15.5
+    with pytest.raises(transfer.Stall, match=r"w.bin: stalled: 10 bytes in the last 10 s"):
+        guard.add(1)  # the burst left the window: 10 bytes came after it, fewer than 1000
+
+
+def test_an_error_text_loses_the_query_strings_of_its_urls() -> None:
+    from prewarm.hub import without_queries
+
+    text = "Max retries exceeded with url: /repos/ab/cd?X-Amz-Signature=s3cr3t&Expires=1 (Caused by Timeout())"
+    assert without_queries(text) == "Max retries exceeded with url: /repos/ab/cd?… (Caused by Timeout())"
