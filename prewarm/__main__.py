@@ -51,7 +51,7 @@ def _add_transfer_options(cmd: argparse.ArgumentParser) -> None:
     defaults = Limits()
     cmd.add_argument("--min-rate", type=float, default=defaults.min_rate,
                      help="abandon a download when fewer than this many bytes per second arrived over the last "
-                          "--stall-window seconds (it frees the revision's lock; the Job retries)")
+                          "--stall-window seconds (it frees the revision's lock; the Job retries); 0: no rate check")
     cmd.add_argument("--stall-window", type=float, default=defaults.stall_window,
                      help="seconds over which --min-rate is averaged")
     cmd.add_argument("--read-timeout", type=float, default=defaults.read_timeout,

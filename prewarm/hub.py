@@ -137,13 +137,12 @@ class ModelScopeClient(HubClient):
 
     def file_request(self, repo_id: str, revision: str, path: str) -> tuple[str, dict[str, str]]:
         from modelscope.hub.file_download import get_file_download_url
+        from modelscope_hub.config import get_default_config
 
         headers = {}
         token = os.environ.get(TOKEN_ENV[self.scheme])
         if token:  # as modelscope's own client: newer endpoints read the header, older ones the cookie
             headers = {"Authorization": f"Bearer {token}", "Cookie": f"m_session_id={token}"}
-        from modelscope_hub.config import get_default_config
-
         # The endpoint the listing used (MODELSCOPE_ENDPOINT, else the default hub).
         return get_file_download_url(repo_id, path, revision, get_default_config().endpoint), headers
 
