@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from prewarm.layout import LayoutError, ModelDir
+from prewarm.transfer import Limits
 
 DEFAULT_WAIT_TIMEOUT = 6 * 3600
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--lock-timeout", type=float, default=DEFAULT_WAIT_TIMEOUT,
                              help="give up after waiting this many seconds for another download of the same revision "
                                   "on this cache (it holds <revision>.lock)")
+            _add_transfer_options(cmd)
         if name == "oci":
             cmd.add_argument("--docker-config", default=os.environ.get("NOCTAYA_REGISTRY_CONFIG_FILE", ""),
                              help="Docker config JSON with the registry's credentials (env NOCTAYA_REGISTRY_CONFIG_FILE)")
@@ -43,6 +45,23 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--timeout", type=float, default=DEFAULT_WAIT_TIMEOUT, help="give up after this many seconds")
             cmd.add_argument("--interval", type=float, default=2.0, help="seconds between checks")
     return parser
+
+
+def _add_transfer_options(cmd: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    cmd.add_argument("--min-rate", type=float, default=defaults.min_rate,
+                     help="abandon a download when fewer than this many bytes per second arrived over the last "
+                          "--stall-window seconds (it frees the revision's lock; the Job retries); 0: no rate check")
+    cmd.add_argument("--stall-window", type=float, default=defaults.stall_window,
+                     help="seconds over which --min-rate is averaged")
+    cmd.add_argument("--read-timeout", type=float, default=defaults.read_timeout,
+                     help="abandon a download when one read waits this many seconds for any byte")
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    if args.min_rate < 0 or args.stall_window <= 0 or args.read_timeout <= 0:
+        raise LayoutError("--min-rate must be >= 0, --stall-window and --read-timeout > 0")
+    return Limits(min_rate=args.min_rate, stall_window=args.stall_window, read_timeout=args.read_timeout)
 
 
 def _fail(message: str) -> int:
@@ -66,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = ModelDir.of(args.cache_dir, args.source, getattr(args, "revision", "") or None)
         if args.command != "wait" and (args.command == "oci") != (model.scheme == "oci"):
             raise LayoutError(f"`python -m prewarm {args.command}` does not stage {args.source}")
+        limits = _limits(args) if args.command != "wait" else Limits()
     except LayoutError as exc:
         print(f"prewarm: {exc}", file=sys.stderr)
         return 2
@@ -85,10 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from scaler.secretfiles import exit_if_a_secret_is_missing
 
             exit_if_a_secret_is_missing("prewarm")
-            stage(model, OciStager(args.docker_config or None, args.plain_http), args.progress_interval,
+            stage(model, OciStager(args.docker_config or None, args.plain_http, limits=limits), args.progress_interval,
                   lock_timeout=args.lock_timeout)
         else:
-            prewarm(model, progress_interval=args.progress_interval, lock_timeout=args.lock_timeout)
+            prewarm(model, progress_interval=args.progress_interval, lock_timeout=args.lock_timeout, limits=limits)
     except PrewarmError as exc:
         return _fail(str(exc))
     except Exception as exc:  # no traceback: a library's locals or messages could carry the token

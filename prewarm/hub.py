@@ -1,12 +1,15 @@
 """Download one revision of a hub repository into the cache, verified, then promote it.
 
-The hubs' own clients do the transfer (``huggingface_hub.snapshot_download``, honouring
-``HF_ENDPOINT``; ``modelscope.snapshot_download``, honouring ``MODELSCOPE_ENDPOINT``): they know the
-protocols, retries, resumption and (for Hugging Face) Xet storage. What this module adds is what a
-cache shared with serving Pods needs: the file list is taken from the hub *before* the download, at
-one resolved commit; every listed file must arrive with its size and, where the hub gives one, its
-hash (LFS sha256 or git blob id on Hugging Face, sha256 on ModelScope); only then is ``.partial``
-renamed into place and the marker written.
+The hubs' own clients give the listing (``huggingface_hub``, honouring ``HF_ENDPOINT``;
+``modelscope``, honouring ``MODELSCOPE_ENDPOINT``): the file list is taken from the hub *before* the
+download, at one resolved commit. The transfer is this module's own (``fetch_file``, one file at a
+time from the hub's file URL), because the clients' transfers are unbounded: they write whatever the
+server sends and compare sizes only afterwards, and they wait on a trickle as long as it trickles. Here
+no file grows past its listed size and a download below a minimum rate is abandoned
+(``prewarm.transfer``), its ``.partial`` removed and the revision's lock released. Every listed file
+must then be there with its size and, where the hub gives one, its hash (LFS sha256 or git blob id on
+Hugging Face, sha256 on ModelScope); only then is ``.partial`` renamed into place and the marker
+written.
 
 Tokens come from the environment (``HF_TOKEN`` / ``MODELSCOPE_API_TOKEN``, projected from the
 Secret by the Job), never from arguments; every message this module prints is passed through
@@ -19,13 +22,20 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
+
+import requests
+import urllib3.exceptions
 
 from prewarm.layout import LayoutError, LockTimeout, ModelDir, check_regular_tree, safe_relative_path
 from prewarm.progress import Progress
+from prewarm.transfer import READ_TIMEOUTS, Limits, Oversize, Stall, TransferError, stream_into
 
 log = logging.getLogger("noctaya.prewarm")
 
@@ -57,15 +67,23 @@ class Listing:
 
 
 class HubClient:
-    """One hub's listing and download, through its official client."""
+    """One hub's listing (through its official client) and where each listed file is fetched from."""
 
     scheme: str
 
     def listing(self, repo_id: str, revision: str) -> Listing:
         raise NotImplementedError
 
-    def download(self, repo_id: str, revision: str, target: Path) -> None:
+    def file_request(self, repo_id: str, revision: str, path: str) -> tuple[str, dict[str, str]]:
+        """The URL and headers (the token's, when there is one) that fetch ``path`` at ``revision``."""
         raise NotImplementedError
+
+    def download(self, repo_id: str, revision: str, target: Path, listing: Listing, limits: Limits) -> None:
+        """Every listed file into ``target``, each bounded by its listed size and the rate ``limits``."""
+        with requests.Session() as session:
+            for remote in listing.files:
+                url, headers = self.file_request(repo_id, revision, remote.path)
+                fetch_file(session, url, headers, target / remote.path, remote, limits)
 
     def auth_failure(self, exc: BaseException) -> str | None:
         """'refused' / 'missing' when ``exc`` is the hub refusing access, else None."""
@@ -89,18 +107,19 @@ class HuggingFaceClient(HubClient):
                                         None if lfs else entry.blob_id))
         return Listing(commit, tuple(files))
 
-    def download(self, repo_id: str, revision: str, target: Path) -> None:
-        from huggingface_hub import snapshot_download
+    def file_request(self, repo_id: str, revision: str, path: str) -> tuple[str, dict[str, str]]:
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
 
-        snapshot_download(repo_id, revision=revision, local_dir=target, max_workers=4)
-        shutil.rmtree(target / ".cache", ignore_errors=True)  # the client's bookkeeping, not weights
+        return hf_hub_url(repo_id, path, revision=revision), build_hf_headers()  # HF_ENDPOINT, HF_TOKEN
 
     def auth_failure(self, exc: BaseException) -> str | None:
         from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
         if isinstance(exc, GatedRepoError | RepositoryNotFoundError):
             return "refused"
-        if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code in (401, 403):
+        if isinstance(exc, HfHubHTTPError | requests.HTTPError) and exc.response is not None \
+                and exc.response.status_code in (401, 403):
             return "refused"
         return None
 
@@ -116,10 +135,16 @@ class ModelScopeClient(HubClient):
                       if getattr(e, "type", "blob") != "tree" and e.path)
         return Listing(None, files)
 
-    def download(self, repo_id: str, revision: str, target: Path) -> None:
-        from modelscope import snapshot_download
+    def file_request(self, repo_id: str, revision: str, path: str) -> tuple[str, dict[str, str]]:
+        from modelscope.hub.file_download import get_file_download_url
+        from modelscope_hub.config import get_default_config
 
-        snapshot_download(repo_id, revision=revision, local_dir=str(target), max_workers=4)
+        headers = {}
+        token = os.environ.get(TOKEN_ENV[self.scheme])
+        if token:  # as modelscope's own client: newer endpoints read the header, older ones the cookie
+            headers = {"Authorization": f"Bearer {token}", "Cookie": f"m_session_id={token}"}
+        # The endpoint the listing used (MODELSCOPE_ENDPOINT, else the default hub).
+        return get_file_download_url(repo_id, path, revision, get_default_config().endpoint), headers
 
     def auth_failure(self, exc: BaseException) -> str | None:
         from modelscope_hub.errors import AuthenticationError, PermissionDeniedError
@@ -128,6 +153,57 @@ class ModelScopeClient(HubClient):
             return "refused"
         status = getattr(getattr(exc, "response", None), "status_code", None)
         return "refused" if status in (401, 403) else None
+
+
+NETWORK_ATTEMPTS = 3  # per file: a dropped connection resumes where it stopped; the Job's retries come on top
+# A connection lost mid-file (reset, closed before the announced length): retried here, resuming. A
+# stall or an oversize body is not: the attempt ends at once so the revision's lock is freed, and the
+# Job's own retry (exit status 1) starts over.
+DROPPED = (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, urllib3.exceptions.ProtocolError)
+
+
+class Incomplete(TransferError):
+    """The body ended before the declared size (retried, resuming)."""
+
+
+def fetch_file(session: requests.Session, url: str, headers: dict[str, str], dest: Path, remote: RemoteFile,
+               limits: Limits) -> None:
+    """``remote`` from ``url`` into ``dest``: never past its listed size, abandoned when it stalls
+    (``prewarm.transfer``); a dropped connection is resumed with a Range request a few times."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "wb") as out:
+        for attempt in range(1, NETWORK_ATTEMPTS + 1):
+            try:
+                _fetch_once(session, url, headers, out, remote, limits)
+                return
+            except (*DROPPED, Incomplete) as exc:
+                if attempt == NETWORK_ATTEMPTS:
+                    raise
+                log.info("%s: connection lost (%s) at %d of %d bytes, attempt %d of %d; resuming", remote.path,
+                         type(exc).__name__, out.tell(), remote.size, attempt, NETWORK_ATTEMPTS)
+                time.sleep(attempt)
+
+
+def _fetch_once(session: requests.Session, url: str, headers: dict[str, str], out: BinaryIO, remote: RemoteFile,
+                limits: Limits) -> None:
+    have = out.tell()
+    # identity: the listed size is the file's, so the body's length is comparable with it.
+    sent = {**headers, "Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
+    try:
+        with session.get(url, headers=sent, stream=True, timeout=limits.timeout) as response:
+            response.raise_for_status()
+            if have and response.status_code != 206:
+                out.seek(0)  # the server ignored the range: the whole file again
+                out.truncate()
+                have = 0
+            elif have and not response.headers.get("Content-Range", "").startswith(f"bytes {have}-"):
+                raise TransferError(f"{remote.path}: the server answered a resumed download with other bytes "
+                                    f"({response.headers.get('Content-Range')!r})")
+            size = stream_into(response, out, remote.size, limits, remote.path, have)
+    except READ_TIMEOUTS as exc:  # waiting for the response's headers
+        raise Stall(f"{remote.path}: stalled: no answer for {limits.read_timeout:g} s (--read-timeout)") from exc
+    if size < remote.size:
+        raise Incomplete(f"{remote.path}: the body ended at {size} of the {remote.size} bytes listed")
 
 
 CLIENTS: dict[str, Callable[[], HubClient]] = {"hf": HuggingFaceClient, "modelscope": ModelScopeClient}
@@ -198,14 +274,16 @@ def staging_lock(model: ModelDir, lock_timeout: float, progress_interval: float)
 
 
 def prewarm(model: ModelDir, client: HubClient | None = None, progress_interval: float = 10.0,
-            lock_timeout: float = LOCK_TIMEOUT) -> dict[str, object]:
+            lock_timeout: float = LOCK_TIMEOUT, limits: Limits | None = None) -> dict[str, object]:
     """Stage ``model`` in the cache; returns the marker. Idempotent: a present marker is success.
-    One process at a time per revision and cache (``ModelDir.locked``)."""
+    One process at a time per revision and cache (``ModelDir.locked``); a failure, a stall included,
+    leaves the lock (``with``), so the next attempt can take it."""
     with staging_lock(model, lock_timeout, progress_interval):
-        return _prewarm(model, client, progress_interval)
+        return _prewarm(model, client, progress_interval, limits or Limits())
 
 
-def _prewarm(model: ModelDir, client: HubClient | None, progress_interval: float) -> dict[str, object]:
+def _prewarm(model: ModelDir, client: HubClient | None, progress_interval: float,
+             limits: Limits) -> dict[str, object]:
     existing = model.read_marker()
     if existing is not None:
         log.info("%s@%s is already in the cache (%s files); nothing to do", model.source, model.revision,
@@ -233,7 +311,10 @@ def _prewarm(model: ModelDir, client: HubClient | None, progress_interval: float
     model.partial.mkdir(parents=True)
     with Progress(model.partial, listing.total_bytes, log, progress_interval):
         try:
-            client.download(model.repo_id, pinned, model.partial)
+            client.download(model.repo_id, pinned, model.partial, listing, limits)
+        except (Oversize, Stall) as exc:
+            shutil.rmtree(model.partial, ignore_errors=True)  # refused or abandoned: its bytes leave the volume now
+            raise PrewarmError(redact(f"{model.source}@{model.revision}: {exc}", _token())) from None
         except Exception as exc:
             raise _failure(model, client, exc, "downloading") from None
     verify(model.partial, listing)
@@ -252,5 +333,12 @@ def _failure(model: ModelDir, client: HubClient, exc: BaseException, doing: str)
     if client.auth_failure(exc) is not None:
         return PrewarmError(_auth_message(model, exc))
     status = getattr(getattr(exc, "response", None), "status_code", None)
-    detail = f"HTTP {status}" if status else f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    first = without_queries(str(exc).splitlines()[0])[:300] if str(exc) else ""
+    detail = f"HTTP {status}" if status else f"{type(exc).__name__}: {first}"
     return PrewarmError(redact(f"{model.source}@{model.revision}: {doing} failed: {detail}", _token()))
+
+
+def without_queries(text: str) -> str:
+    """A URL's query string cut from an error text: a hub's redirect to its CDN carries a signature
+    there, a short-lived credential that does not belong in the Job's log."""
+    return re.sub(r"\?[^\s'\")]+", "?…", text)

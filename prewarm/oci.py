@@ -28,13 +28,14 @@ import shutil
 import tarfile
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import requests
 
-from prewarm.hub import HASH_CHUNK, LOCK_TIMEOUT, SECRET_ENV, PrewarmError, staging_lock
+from prewarm.hub import HASH_CHUNK, LOCK_TIMEOUT, SECRET_ENV, PrewarmError, staging_lock, without_queries
 from prewarm.layout import LayoutError, ModelDir, check_regular_tree, safe_relative_path
 from prewarm.progress import Progress
+from prewarm.transfer import Limits, TransferError, stream_into
 
 log = logging.getLogger("noctaya.prewarm")
 
@@ -94,7 +95,6 @@ def extract_layer(archive: Path, root: Path, title: PurePosixPath, max_bytes: in
     return files
 
 
-CONNECT_TIMEOUT, READ_TIMEOUT = 30.0, 300.0  # per connection attempt / per read of a stream
 NETWORK_ATTEMPTS = 3  # transient network errors only; the Job's own retries come on top
 MAX_EXPANSION = 100  # a tar+gzip layer may expand to this many times its declared size (a bomb: 1000x)
 MAX_ARCHIVE_ENTRIES = 200_000  # per directory layer (a model directory has tens of files)
@@ -110,8 +110,9 @@ class OciStager:
     login ends the attempt at once, naming the Secret."""
 
     def __init__(self, docker_config: str | None = None, plain_http: bool = False,
-                 secret_name: str | None = None) -> None:
+                 secret_name: str | None = None, limits: Limits | None = None) -> None:
         self.docker_config = docker_config
+        self.limits = limits or Limits()
         self.plain_http = plain_http
         self.secret_name = secret_name if secret_name is not None else os.environ.get(SECRET_ENV, "").strip()
         self.prefix = "http" if plain_http else "https"
@@ -179,7 +180,7 @@ class OciStager:
         plain = session.request
 
         def request(method: str, url: str, **kwargs: Any) -> requests.Response:
-            kwargs.setdefault("timeout", (CONNECT_TIMEOUT, READ_TIMEOUT))  # the SDK sets none: a stall would hang
+            kwargs.setdefault("timeout", self.limits.timeout)  # the SDK sets none: a stall would hang
             return plain(method, url, **kwargs)
 
         session.request = request  # type: ignore[method-assign]
@@ -283,30 +284,34 @@ class OciStager:
 
     def fetch(self, digest: str, size: int, out: Path) -> None:
         """Blob ``digest`` into ``out``: never more than the ``size`` bytes the manifest declares
-        (the stream is cut off there), then its size and sha256 checked."""
+        (checked before each chunk is written), abandoned below the minimum rate
+        (``prewarm.transfer``), then its size and sha256 checked."""
         url = f"{self.prefix}://{self._container.get_blob_url(digest)}"
         assert self._model is not None, "manifest() first"
         with self._get(self._model, url) as response:
             if response.status_code != 200:
                 raise PrewarmError(f"blob {digest}: the registry answered HTTP {response.status_code}")
-            declared = response.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > size:
-                raise PrewarmError(f"blob {digest}: the registry announces {declared} bytes, the manifest declares "
-                                   f"{size}: refused")
-            h = hashlib.sha256()
-            got = 0
-            with open(out, "xb") as fh:
-                for chunk in response.iter_content(chunk_size=1 << 20):
-                    got += len(chunk)
-                    if got > size:
-                        raise PrewarmError(f"blob {digest}: the registry sent more than the {size} bytes the manifest "
-                                           "declares: refused")
-                    h.update(chunk)
-                    fh.write(chunk)
+            sink = _HashingFile(open(out, "xb"))
+            try:
+                with sink.fh:
+                    got = stream_into(response, sink, size, self.limits, f"blob {digest}")
+            except TransferError as exc:
+                raise PrewarmError(str(exc)) from None
         if got != size:
             raise PrewarmError(f"blob {digest}: {got} bytes arrived, the manifest says {size}: refused")
-        if "sha256:" + h.hexdigest() != digest:
+        if "sha256:" + sink.sha256.hexdigest() != digest:
             raise PrewarmError(f"blob {digest}: its content does not hash to its digest: refused")
+
+
+class _HashingFile:
+    """A file that hashes what is written to it (the blob is checked without reading it again)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self.fh, self.sha256 = fh, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        return self.fh.write(data)
 
 
 def _host_of(key: str) -> str:
@@ -406,7 +411,8 @@ def _stage(model: ModelDir, stager: OciStager, progress_interval: float) -> dict
             raise
         if isinstance(exc, LayoutError):
             raise PrewarmError(f"{model.source}: {exc}") from None
-        first = str(exc).splitlines()[0][:300] if str(exc) else ""  # network, registry protocol, a broken archive
+        # network, registry protocol, a broken archive; a blob's redirect URL loses its signature
+        first = without_queries(str(exc).splitlines()[0])[:300] if str(exc) else ""
         raise PrewarmError(f"{model.source}: staging failed: {type(exc).__name__}: {first}") from None
     finally:
         shutil.rmtree(blobs, ignore_errors=True)

@@ -11,6 +11,7 @@ import pytest
 from demo.hub import FakeHub
 from prewarm.hub import HubClient, Listing, PrewarmError, RemoteFile, prewarm, verify
 from prewarm.layout import LayoutError, ModelDir, revision_key
+from prewarm.transfer import Limits
 from tests.prewarm.conftest import MAIN, MAIN_FILES, SENTINEL, V1, V1_FILES, run_prewarm
 
 SCHEMES = ["hf", "modelscope"]
@@ -162,7 +163,7 @@ class _ListingOnly(HubClient):
     def listing(self, repo_id: str, revision: str) -> Listing:
         return Listing("c" * 40, self.files)
 
-    def download(self, repo_id: str, revision: str, target: Path) -> None:
+    def download(self, repo_id: str, revision: str, target: Path, listing: Listing, limits: Limits) -> None:
         self.downloads += 1
         for name, data in self.write.items():
             if name == "link":

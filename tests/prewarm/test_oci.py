@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -23,6 +24,7 @@ import requests
 from prewarm.hub import PrewarmError
 from prewarm.layout import ModelDir
 from prewarm.oci import OciStager, stage
+from prewarm.transfer import Limits
 from tests.prewarm.registry import registry  # noqa: F401 - the session fixture
 
 pytest.importorskip("oras")
@@ -339,6 +341,61 @@ def test_a_blob_stream_longer_than_declared_is_refused(registry: str, tmp_path: 
     finally:
         big.server.shutdown()
         big.server.server_close()
+
+
+class TrickleProxy:
+    """Serves the registry's answers, but blobs larger than 1000 bytes at ``rate`` bytes per second."""
+
+    def __init__(self, upstream: str, rate: float) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                r = requests.get(f"http://{upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")},
+                                 timeout=10)
+                body = r.content
+                slow = "/blobs/" in self.path and r.status_code == 200 and len(body) > 1000
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                try:
+                    for i in range(0, len(body), 64 if slow else len(body) or 1):
+                        self.wfile.write(body[i:i + (64 if slow else len(body))])
+                        self.wfile.flush()
+                        if slow:
+                            time.sleep(64 / rate)
+                except OSError:
+                    self.close_connection = True  # the stager hung up: what this test wants
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.server.server_port}"
+
+
+def test_a_blob_trickling_below_the_minimum_rate_is_abandoned_and_frees_the_lock(
+        registry: str, tmp_path: Path) -> None:  # noqa: F811
+    import logging
+
+    digest = push_with_oras(registry, "models/granite", "v1", tmp_path)
+    slow = TrickleProxy(registry, rate=256)  # the 64 KiB safetensors blob: 4 minutes
+    try:
+        model = ModelDir.of(tmp_path / "cache", f"oci://{slow.address}/models/granite@{digest}", None)
+        started = time.monotonic()
+        with pytest.raises(PrewarmError, match=r"blob sha256:[0-9a-f]{64}: stalled: .* below the minimum rate"):
+            stage(model, OciStager(plain_http=True, limits=Limits(min_rate=1024, stall_window=1)),
+                  progress_interval=60, lock_timeout=0)
+        assert time.monotonic() - started < 15
+        assert not model.marker.exists() and not model.blobs.exists() and not model.partial.exists()
+        with model.locked(0, logging.getLogger("test")):  # free at once for the next attempt
+            pass
+    finally:
+        slow.server.shutdown()
+        slow.server.server_close()
 
 
 def test_a_layer_that_expands_beyond_its_bound_is_refused(registry: str, tmp_path: Path) -> None:  # noqa: F811
