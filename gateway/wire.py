@@ -403,8 +403,10 @@ class UpstreamParser:
         Transfer-Encoding (hop-by-hop), so any other coding would reach the client as if it were the
         content itself. chunked twice is forbidden, and Transfer-Encoding in an HTTP/1.0 message
         means faulty framing."""
-        tokens = [t for t in (t.strip().lower() for v in values for t in v.split(b",")) if t]  # empty elements are allowed
-        if tokens != [b"chunked"] or self._parser.get_http_version() == "1.0":
+        tokens = [t.strip().lower() for v in values for t in v.split(b",")]
+        # Empty list elements are allowed (RFC 9110 §5.6.1) before chunked, not after it: llhttp
+        # frames ``chunked ,`` as read-until-close, so it is refused rather than relayed as chunked.
+        if tokens[-1] != b"chunked" or any(tokens[:-1]) or self._parser.get_http_version() == "1.0":
             self._fail("transfer_coding")
 
     def on_body(self, body: bytes) -> None:
