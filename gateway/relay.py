@@ -327,8 +327,10 @@ def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"", *,
 
 def read_response_head(conn: UpstreamConnection, client: ClientConnection | None, *,
                        clock: Callable[[], float]) -> ResponseHead:
-    """Block until the backend's response head arrived. While waiting, ``client`` is marked as
-    waiting on the backend, so the watchdog can arm a hang-up watcher for slow answers."""
+    """Block until the backend's final response head arrived. While waiting, ``client`` is marked as
+    waiting on the backend, so the watchdog can arm a hang-up watcher for slow answers. One deadline
+    covers the whole wait, interim (1xx) heads included: they do not extend it, and past the
+    parser's bound on them the answer is refused (UpstreamFailed with a ``reason``)."""
     parser = conn.parser
     sock = conn.sock
     if client is not None:
