@@ -16,6 +16,7 @@ lines, at most ``MAX_INTERIM_RESPONSES`` interim heads before the final one (eac
 parsed, never buffered), no 101, a status in 100-599, and RFC 9112 framing the gateway can relay:
 ``Transfer-Encoding`` exactly ``chunked`` or absent. llhttp itself refuses Content-Length together
 with Transfer-Encoding, duplicate or non-numeric Content-Length, and a status line without three digits.
+Bytes read after the end of a response are dropped, never parsed as another one.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class UpstreamProtocolError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class _AfterTheEnd(Exception):
+    """Stops llhttp at bytes that follow a complete response (see UpstreamParser.on_message_begin)."""
 
 
 def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -311,7 +316,9 @@ class UpstreamParser:
             self._raw += data
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError:
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _AfterTheEnd):
+                return  # the response is whole; what followed it is dropped
             raise (self._error or UpstreamProtocolError("malformed")) from None
         except httptools.HttpParserUpgrade:
             raise UpstreamProtocolError("switching_protocols") from None
@@ -408,6 +415,16 @@ class UpstreamParser:
         # frames ``chunked ,`` as read-until-close, so it is refused rather than relayed as chunked.
         if tokens[-1] != b"chunked" or any(tokens[:-1]) or self._parser.get_http_version() == "1.0":
             self._fail("transfer_coding")
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes after the end of the response to the one request sent: never read as a response
+            # of their own (RFC 9112 §6.3), nor as more body (they would reach the client after the
+            # Content-Length it was given, as a response it never asked for). Dropped, and the
+            # connection is not reused.
+            assert self.head is not None
+            self.head.keep_alive = False
+            raise _AfterTheEnd
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)

@@ -397,3 +397,17 @@ def test_a_malformed_chunk_mid_stream_ends_it_with_an_error_event(raw_backend, m
     error = json.loads(body.split(b"event: error\ndata: ", 1)[1])["error"]
     assert error["code"] == "upstream_protocol_error"
     assert protocol_errors(gw) == {"malformed": 1.0}
+
+
+def test_a_response_nobody_asked_for_never_reaches_the_client(raw_backend, make_gateway) -> None:
+    injected = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nX-Injected: 1\r\n\r\ninjected"
+
+    def respond(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}" + injected)
+
+    gw = warm_gateway(make_gateway, raw_backend(respond))
+    with requests.Session() as session:  # one client connection: an injected answer would be read as the next
+        for _ in range(3):
+            resp = session.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=10)
+            assert resp.status_code == 200 and resp.content == b"{}" and "x-injected" not in resp.headers
+    assert gw.call(lambda: len(gw.app.pool._idle)) == 0  # such a connection is never reused

@@ -203,3 +203,19 @@ def test_framing_llhttp_refuses_is_a_protocol_error(framing: bytes) -> None:
     with pytest.raises(UpstreamProtocolError) as info:
         UpstreamParser().feed(b"HTTP/1.1 200 OK\r\n" + framing + b"\r\n" + CHUNKED_BODY)
     assert info.value.reason == "malformed"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bytes_after_the_end_of_the_response_are_dropped_and_the_connection_not_reused(split: bool) -> None:
+    # A second response nobody asked for, in the same read as the first one's end: neither its head
+    # nor its body may be taken for the first one's (RFC 9112 §6.3).
+    extra = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Injected: 1\r\n\r\nEVIL!"
+    parser = UpstreamParser()
+    if split:  # the head alone first, then the end of the body with the extra bytes
+        parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+        parser.feed(b"ok" + extra)
+    else:
+        parser.feed(FINAL + extra)
+    head = parser.head
+    assert head is not None and head.content_length == 2 and head.kept == [] and not head.keep_alive
+    assert b"".join(parser.take_body()) == b"ok" and parser.complete
