@@ -199,11 +199,11 @@ class UpstreamPool:
     def __init__(self, host: str, port: int, *, connect_timeout: float, idle_timeout: float,
                  max_idle: int = 256, on_protocol_error: Callable[[str], None] | None = None) -> None:
         self.host = host
-        self.on_protocol_error = on_protocol_error
         self.port = port
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle = max_idle
+        self.on_protocol_error = on_protocol_error
         self._idle: deque[UpstreamConnection] = deque()
         self._closed = False
         self._address: tuple[str, int] | None = None

@@ -82,7 +82,7 @@ PROTOCOL_ERRORS = (
     "head_too_large",  # a head over MAX_RESPONSE_HEAD_BYTES or MAX_RESPONSE_HEADERS
     "too_many_interim",  # more than MAX_INTERIM_RESPONSES 1xx heads
     "switching_protocols",  # 101: the gateway never asks for an upgrade
-    "invalid_status",  # a status outside 100-599
+    "invalid_status",  # a status outside 100-599, or not three digits
     "transfer_coding",  # a Transfer-Encoding other than exactly chunked (or any, in HTTP/1.0)
 )
 
