@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["GatewayError", "error_body", "sse_error_frame", "ERRORS", "NO_RETRY"]
+__all__ = ["GatewayError", "error_body", "sse_error_frame", "backend_failure", "ERRORS", "NO_RETRY"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,10 @@ ERRORS: dict[str, GatewayError] = {
     "backend_failure": GatewayError(
         502, "backend_error", "backend_failure", "The model backend failed while serving the request."
     ),
+    "upstream_protocol_error": GatewayError(
+        502, "backend_error", "upstream_protocol_error",
+        "The model backend answered with a response the gateway cannot relay (not valid HTTP/1.1 framing).",
+    ),
     "activation_timeout": GatewayError(
         504, "activation_timeout", "activation_timeout",
         "The model backend did not become ready before the activation timeout.",
@@ -78,6 +82,12 @@ ERRORS: dict[str, GatewayError] = {
 # the request never reached a backend, the answer closes the connection, and by then (after
 # drain_delay_seconds) the Pod is out of its Service, so the retry's new connection reaches another.
 NO_RETRY = frozenset({"activation_timeout"})
+
+
+def backend_failure(reason: str | None) -> str:
+    """The answer's name for a backend that failed: its response refused as malformed (``reason``,
+    one of ``gateway.wire.PROTOCOL_ERRORS``) or any other failure (a read failed, it closed)."""
+    return "backend_failure" if reason is None else "upstream_protocol_error"
 
 
 def error_body(error: GatewayError) -> bytes:
