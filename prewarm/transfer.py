@@ -77,7 +77,14 @@ class RateGuard:
         """Count ``n`` bytes that arrived now; raises Stall when the window's rate is too low."""
         now = self._now()
         self.total += n
-        self._samples.append((now, self.total))
+        samples = self._samples
+        # Every other sample at least 1/64 of a window apart (the newest moves forward until then): a
+        # peer that sends many tiny reads cannot grow the deque past ~128 samples a window, and every
+        # sample stays an exact (time, total) pair.
+        if len(samples) >= 2 and now - samples[-2][0] < self.limits.stall_window / 64:
+            samples[-1] = (now, self.total)
+        else:
+            samples.append((now, self.total))
         horizon = now - self.limits.stall_window
         # Keep one sample at or before the horizon: the reference the window's bytes are counted from.
         while len(self._samples) > 1 and self._samples[1][0] <= horizon:

@@ -166,3 +166,20 @@ def test_an_error_text_loses_the_query_strings_of_its_urls() -> None:
 
     text = "Max retries exceeded with url: /repos/ab/cd?X-Amz-Signature=s3cr3t&Expires=1 (Caused by Timeout())"
     assert without_queries(text) == "Max retries exceeded with url: /repos/ab/cd?… (Caused by Timeout())"
+
+
+def test_many_tiny_reads_keep_the_rate_window_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that sends a byte per read, fast: the guard's samples stay bounded (about 128 a window)
+    and the rate it judges stays exact."""
+    from prewarm import transfer
+
+    now = [0.0]
+    monkeypatch.setattr(transfer.time, "monotonic", lambda: now[0])
+    guard = transfer.RateGuard(Limits(min_rate=100, stall_window=10), "w.bin")
+    for i in range(1, 200_001):  # 200,000 reads of a byte over 20 s: 10,000 bytes/s
+        now[0] = i * 1e-4
+        guard.add(1)
+    assert len(guard._samples) <= 140
+    now[0] = 40.0
+    with pytest.raises(transfer.Stall, match=r"stalled: 0 bytes in the last 10 s"):
+        guard.add(0)
