@@ -224,7 +224,7 @@ class GatewayApp(AnswersHere):
 
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.unready:  # from SIGTERM on, every answer closes its connection: the next goes elsewhere
+        if self.unready or self.draining:  # from SIGTERM on, every answer closes its connection
             conn.keep_alive = False  # the connection closes after this answer: the answer says so
         path = head.path
         decision = route(head, path, admin=conn.admin, draining=self.draining, auth=self.auth,

@@ -278,7 +278,7 @@ class SharedGatewayApp(AnswersHere):
 
     # -- requests ------------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
-        if self.unready:
+        if self.unready or self.draining:
             conn.keep_alive = False
         decision = route(head, head.path, admin=conn.admin, draining=self.draining, auth=self._keys,
                          max_body=self.config.max_body_bytes)
