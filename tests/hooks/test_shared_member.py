@@ -473,3 +473,11 @@ def test_the_route_grace_follows_the_hook_config() -> None:
     quick = dataclasses.replace(h.config("2026-01-01T02:00:00Z"), route_grace_seconds=0)
     assert finalize.finalize(request, quick)["finalized"]
     assert not finalize.finalize(request, h.config("2026-01-01T02:00:00Z"))["finalized"]
+
+
+def test_the_idle_members_benchmark_polls_at_the_rendered_interval() -> None:
+    """bench.idle_members plays KEDA at the interval the hooks render for a member (make bench's
+    idle-members figure, issue 29): the example member renders the member interval."""
+    from bench.idle_members import member_scaled_object
+
+    assert member_scaled_object()["pollingInterval"] == autoscaling_resource.MEMBER_POLLING_SECONDS
