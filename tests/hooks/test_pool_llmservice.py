@@ -338,3 +338,12 @@ def test_the_pools_decision_reaches_both_models() -> None:
     holder_status = sync.sync(with_pools(h.sync_request(holder), [decided]), h.config())
     assert _cond(holder_status, "BackendReady")["message"].endswith(
         f"; yielding its accelerator to {h.NAMESPACE}/qwen (pool gpus)")
+
+
+def test_a_yielding_member_is_polled_once_per_pool_cooldown() -> None:
+    """A member left at the default polling is polled every 300 s (issue 29); KEDA scales in only at a
+    poll, so while a pool lists it as yielding its interval follows the pool's cooldown down."""
+    member = {"endpoint": {"gateway": "chat"}}
+    assert scaled_object(decorate(**member))["spec"]["pollingInterval"] == 300
+    yielding = scaled_object(decorate([pool_obj(yielding=[entry(cooldown=60)])], **member))["spec"]
+    assert (yielding["cooldownPeriod"], yielding["pollingInterval"]) == (60, 60)

@@ -119,6 +119,38 @@ def test_a_per_model_scaled_object_is_unchanged() -> None:
     assert demand["metadata"] == {"scalerAddress": "qwen-scaler.models.svc.cluster.local:9090", "targetPerReplica": "10"}
 
 
+def _polling(parent: dict) -> int:
+    return autoscaling.sync(h.decorator_request(parent), h.config())["attachments"][0]["spec"]["pollingInterval"]
+
+
+@pytest.mark.parametrize(("scaling", "expected"), [
+    ({}, autoscaling_resource.MEMBER_POLLING_SECONDS),  # the API default: polled rarely (issue 29)
+    ({"pollingInterval": "5s"}, autoscaling_resource.MEMBER_POLLING_SECONDS),  # the same, as the API server fills it in
+    ({"cooldownPeriod": "90s"}, 90),  # at least one poll per cooldown: scale-in within twice the cooldown
+    ({"cooldownPeriod": "2s"}, 5),  # never more often than the default
+    ({"cooldownPeriod": "2h"}, autoscaling_resource.MEMBER_POLLING_SECONDS),
+    ({"pollingInterval": "1s"}, 1),  # a chosen interval is the member's own
+    ({"pollingInterval": "30m"}, 1800),
+], ids=["default", "default-spelled", "short-cooldown", "tiny-cooldown", "long-cooldown", "chosen-1s", "chosen-30m"])
+def test_a_member_left_at_the_default_polling_is_polled_rarely(scaling: dict, expected: int) -> None:
+    """100 members polled every 5 s cost one shared gateway ~30 ms of CPU a second idle; a member's
+    push stream wakes it, so the rendered interval is long unless the member chose one."""
+    assert _polling(member(scaling=scaling)) == expected
+
+
+def test_a_per_model_scaled_object_keeps_its_polling_interval() -> None:
+    assert _polling(per_model()) == autoscaling_resource.DEFAULT_POLLING_SECONDS
+    assert _polling(per_model(scaling={"pollingInterval": "1m"})) == 60
+
+
+def test_a_member_polling_interval_is_rendered_as_the_api_default_says() -> None:
+    """DEFAULT_POLLING_SECONDS mirrors the API default: a changed default must change the rule too."""
+    from hooks.api.common import duration_seconds
+    from hooks.api.llmservice import Scaling
+
+    assert duration_seconds(Scaling().polling_interval) == autoscaling_resource.DEFAULT_POLLING_SECONDS
+
+
 # --- validation ---------------------------------------------------------------------------------
 
 REFUSED = [
@@ -441,3 +473,11 @@ def test_the_route_grace_follows_the_hook_config() -> None:
     quick = dataclasses.replace(h.config("2026-01-01T02:00:00Z"), route_grace_seconds=0)
     assert finalize.finalize(request, quick)["finalized"]
     assert not finalize.finalize(request, h.config("2026-01-01T02:00:00Z"))["finalized"]
+
+
+def test_the_idle_members_benchmark_polls_at_the_rendered_interval() -> None:
+    """bench.idle_members plays KEDA at the interval the hooks render for a member (make bench's
+    idle-members figure, issue 29): the example member renders the member interval."""
+    from bench.idle_members import member_scaled_object
+
+    assert member_scaled_object()["pollingInterval"] == autoscaling_resource.MEMBER_POLLING_SECONDS

@@ -5,6 +5,7 @@ test_service.py and test_tls.py; here a raw HTTP/2 client (h2, client side) send
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ from .conftest import H2ServerThread, wait_until
 REF = pb.ScaledObjectRef(name="qwen", namespace="models")
 IS_ACTIVE = "/externalscaler.ExternalScaler/IsActive"
 STREAM_IS_ACTIVE = "/externalscaler.ExternalScaler/StreamIsActive"
+GET_METRICS = "/externalscaler.ExternalScaler/GetMetrics"
 
 
 def grpc_frame(message: bytes, *, compressed: bool = False, declared: int | None = None) -> bytes:
@@ -226,3 +228,35 @@ def test_a_peer_that_vanishes_mid_stream_frees_its_slot(h2_server) -> None:
     client.sock.shutdown(socket.SHUT_RDWR)
     client.close()
     assert wait_until(lambda: server.servicer.open_streams == 0, timeout=5)
+
+
+def test_a_poll_is_one_write_however_many_streams_are_held(h2_server, monkeypatch) -> None:
+    """Issue 29: KEDA polls every member of a shared gateway over one connection that also holds a
+    StreamIsActive stream per member. Each IsActive / GetMetrics is answered in one write (headers,
+    message and trailers together), and the held idle streams write nothing meanwhile: the cost of a
+    poll does not grow with the members. (Counts writes, not time.)"""
+    writes: list[int] = []
+    real = H2Connection.data_to_send
+
+    def counted(self: H2Connection, amount: int | None = None) -> bytes:
+        data = real(self, amount)
+        if data and threading.current_thread().name == "h2-scaler-hub":  # the server's side only
+            writes.append(len(data))
+        return data
+
+    monkeypatch.setattr(H2Connection, "data_to_send", counted)
+    client = RawClient(h2_server().port)
+    try:
+        held = [client.call(STREAM_IS_ACTIVE, grpc_frame(pb.ScaledObjectRef(name=f"m{i}", namespace="ns")
+                                                         .SerializeToString())) for i in range(100)]
+        client.pump(lambda: all(client.responses[s]["data"] for s in held))  # each stream's first state
+        writes.clear()
+        metrics = pb.GetMetricsRequest(scaledObjectRef=REF, metricName="noctaya-demand").SerializeToString()
+        for _ in range(10):
+            for path, body in ((IS_ACTIVE, REF.SerializeToString()), (GET_METRICS, metrics)):
+                answer = client.answer(client.call(path, grpc_frame(body)))
+                assert answer["headers"].get("grpc-status") == "0", answer
+        assert len(writes) == 20, writes
+        assert not any(client.responses[s]["ended"] for s in held)
+    finally:
+        client.close()
