@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.modeltable import MAX_MODELS
+from gateway.modeltable import MAX_MODELS, MEMBER_FIELD
 from hooks.api.common import API_VERSION
 from hooks.api.llmgateway import LLMGateway, LLMGatewaySpec
 from hooks.api.llmservice import Endpoint
@@ -202,15 +202,15 @@ def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_stat
                 problem = (GatewayReason.RUNTIME_NOT_RESOLVED, f"LLMService {name}: {resolution.message}")
             else:
                 ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace, config=config)
-                entry = gateway.model_settings(ctx).table_entry(service.served_name)
+                entry = gateway.model_settings(ctx).table_entry(service.served_name, member=name)
                 candidates.append(Candidate(name, created, entry))
         if problem is None:
             continue
         old = old_entries.get(was_served.get(name) or raw_served_name(raw))
         kept = "its previous entry is kept" if old is not None else "it is not routed (it never was)"
         out.problems.append((problem[0], f"{problem[1]}; {kept}"))
-        if old is not None:
-            candidates.append(Candidate(name, created, old))
+        if old is not None:  # a kept entry is this member's (one written before 0.2.0 learns it is)
+            candidates.append(Candidate(name, created, {**old, MEMBER_FIELD: name}))
     by_name: dict[str, list[Candidate]] = {}
     for c in candidates:
         by_name.setdefault(c.served, []).append(c)
