@@ -22,7 +22,7 @@ __all__ = ["InvalidMultipart", "ModelFieldTooLong", "MAX_PART_HEADER_BYTES", "is
 
 MAX_PART_HEADER_BYTES = 16 * 1024  # one part's header block; real clients send two short lines
 # RFC 2046 boundary: 1..70 characters of bchars (the token form of the parameter allows fewer).
-_BOUNDARY = re.compile(rb"""boundary\s*=\s*(?:"([0-9A-Za-z'()+_,\-./:=? ]{1,70})"|([0-9A-Za-z'()+_\-./:=?]{1,70}))""",
+_BOUNDARY = re.compile(rb"""(?:^|;)\s*boundary\s*=\s*(?:"([0-9A-Za-z'()+_,\-./:=? ]{1,70})"|([0-9A-Za-z'()+_\-./:=?]{1,70}))(?:\s*(?:;|$))""",
                        re.IGNORECASE)
 _FIELD_NAME = re.compile(rb"""(?:^|;)\s*name\s*=\s*(?:"([^"]*)"|([^\s;"]+))""", re.IGNORECASE)
 _FILE_NAME = re.compile(rb"""(?:^|;)\s*filename\*?\s*=""", re.IGNORECASE)
