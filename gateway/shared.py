@@ -98,6 +98,8 @@ class SharedGatewayApp(AnswersHere):
         # Per model: its own slots, lease, prober and pool. Held bytes count against the Pod's budget.
         self.table = table
         self.apps: dict[str, GatewayApp] = {name: self._new_app(model) for name, model in table.models.items()}
+        if demand is not None:
+            demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
         self._keys = self._key_index()
         self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
@@ -169,6 +171,8 @@ class SharedGatewayApp(AnswersHere):
         # Keep the table's order (the listing's).
         self.apps = {name: self.apps[name] for name in table.models}
         self.table = table
+        if self.demand is not None:
+            self.demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
         self._keys = self._key_index()
         self.reap()

@@ -43,6 +43,7 @@ class ModelDemand:
         self._pods: dict[str, list[PodState]] = {}
         self._broadcasters: dict[str, ModelBroadcaster] = {}
         self._aliases: dict[str, str] = {}  # a renamed model's old name -> its current one
+        self._scaled_objects: dict[str, str] = {}  # "<namespace>/<name>" of a member's ScaledObject -> its model
         # The sum over the models, changed (forced) whenever any model's demand changes: what a
         # reporter waits on (scaler.reporter).
         self.changes = DemandBroadcaster()
@@ -88,6 +89,17 @@ class ModelDemand:
                     self._broadcasters.pop(model, None)
                     self._aliases = {was: now for was, now in self._aliases.items() if now != model}
         self.notify.release()
+
+    def set_scaled_objects(self, scaled_objects: dict[str, str]) -> None:
+        """The table's ScaledObjects (``ModelTable.scaled_objects``), replaced whole on each table."""
+        self._scaled_objects = dict(scaled_objects)
+
+    def by_scaled_object(self, namespace: str, name: str) -> DemandBroadcaster | None:
+        """The demand of the member whose ScaledObject this is (the scaler's answer when the
+        trigger's ``model`` is a name the table does not list yet: a rename the kubelet has not
+        brought to this Pod)."""
+        model = self._scaled_objects.get(f"{namespace}/{name}")
+        return None if model is None else self.broadcaster(model)
 
     def broadcaster(self, model: str) -> DemandBroadcaster | None:
         """``model``'s broadcaster; a renamed model's also by its old names."""

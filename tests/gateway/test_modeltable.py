@@ -117,6 +117,8 @@ def test_diff_names_a_member_with_a_new_name_renamed_not_removed_and_added() -> 
     (table(entry("a", member=""), entry("b")), "member must be a non-empty string"),
     (table(entry("a", member=7)), "member must be a non-empty string"),
     (table(entry("a", member="s"), entry("b", member="s")), "member 's' is listed twice"),
+    (table(entry("a", scaledObject="ns/s"), entry("b", scaledObject="ns/s")), "scaledObject 'ns/s' is listed twice"),
+    (table(entry("a", scaledObject=["ns/s"])), "scaledObject must be a non-empty string"),
 ])
 def test_a_bad_member_is_refused(doc: bytes, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -54,9 +54,10 @@ def write_table(path: Path, *models: dict) -> None:
 
 def test_a_member_renamed_while_its_request_is_held_completes_and_keda_sees_it_throughout(tmp_path) -> None:
     """`python -m gateway` with its gRPC scaler, queried as KEDA does: a request held cold for
-    qwen-7b; the table renames the member (LLMService qwen) to qwen-14b. KEDA's ScaledObject, now
-    asking by the new name, sees the held request (and so does one still asking by the old name);
-    the test, playing KEDA, starts the backend only on that answer, and the held request gets 200."""
+    qwen-7b; the member (LLMService qwen) is renamed qwen-14b. KEDA's ScaledObject, rewritten at once
+    to ask by the new name, sees the held request before the gateway has the new table (answered by
+    the ScaledObject's identity) and after (by name); one still asking by the old name sees it too.
+    The test, playing KEDA, starts the backend only on those answers, and the held request gets 200."""
     import grpc
 
     from scaler import externalscaler_pb2 as pb
@@ -64,15 +65,16 @@ def test_a_member_renamed_while_its_request_is_held_completes_and_keda_sees_it_t
 
     backend = FakeBackend()  # scaled to zero: refuses connections until started
     table = tmp_path / "models.json"
-    entry = {"member": "qwen", "backendURL": backend.url, "activationTimeoutSeconds": 60}
+    entry = {"member": "qwen", "scaledObject": "ns/qwen-backend", "backendURL": backend.url,
+             "activationTimeoutSeconds": 60}
     write_table(table, {"name": "qwen-7b", **entry})
     scaler = free_port()
     proc, port = _start_gateway_process(table, NOCTAYA_SCALER_MODE="local", NOCTAYA_SCALER_PORT=str(scaler))
     channel = grpc.insecure_channel(f"127.0.0.1:{scaler}")
     stub = pb_grpc.ExternalScalerStub(channel)
 
-    def active(model: str) -> bool:
-        ref = pb.ScaledObjectRef(name="qwen-backend", namespace="ns", scalerMetadata={"model": model})
+    def active(model: str, namespace: str = "ns") -> bool:
+        ref = pb.ScaledObjectRef(name="qwen-backend", namespace=namespace, scalerMetadata={"model": model})
         return stub.IsActive(ref, timeout=5).result
 
     try:
@@ -82,6 +84,11 @@ def test_a_member_renamed_while_its_request_is_held_completes_and_keda_sees_it_t
             model="qwen-7b", messages=MESSAGES).choices[0].message.content))
         held.start()
         wait_for(lambda: active("qwen-7b"), "the held request is not KEDA-visible")
+        # The hooks rewrote the ScaledObject first: it asks by a name this Pod's table does not list yet.
+        assert active("qwen-14b"), "the member's ScaledObject does not see its demand before the reload"
+        with pytest.raises(grpc.RpcError) as refused:  # another namespace's ScaledObject of that name
+            active("qwen-14b", namespace="elsewhere")
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
 
         write_table(table, {"name": "qwen-14b", **entry})
         wait_for(lambda: [m.id for m in client.models.list()] == ["qwen-14b"], "the rename was not applied")
