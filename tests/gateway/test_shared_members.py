@@ -254,3 +254,37 @@ def test_a_multipart_body_without_a_model_field_is_answered_as_a_json_one_withou
     assert (answer.status_code, answer.json()["error"]["code"]) == (404, "model_not_found")
     no_model = requests.post(f"{gw.url}/v1/chat/completions", json={"messages": MESSAGES}, timeout=10)
     assert (no_model.status_code, no_model.json()["error"]["code"]) == (404, "model_not_found")
+
+
+def test_model_demand_follows_renames_and_forgets_old_names_with_the_model() -> None:
+    demand = ModelDemand()
+    pod = demand.pod_for("a", 4)
+    source = demand.broadcaster("a")
+    demand.rename("a", "b")
+    demand.rename("b", "c")
+    assert demand.broadcaster("c") is source and demand.broadcaster("a") is source and demand.broadcaster("b") is source
+    assert set(demand.demands()) == {"a", "b", "c"}  # the aggregator is told every name KEDA may ask by
+    demand.set_scaled_objects({"ns/a-backend": "c"})
+    assert demand.by_scaled_object("ns", "a-backend") is source and demand.by_scaled_object("other", "a-backend") is None
+    fresh = demand.pod_for("a", 4)  # "a" names a model of its own again
+    assert demand.broadcaster("a") is not source and demand.broadcaster("b") is source
+    demand.release("a", fresh, listed=False)
+    demand.release("c", pod, listed=False)  # the renamed model leaves the table: its old names go too
+    assert demand.broadcaster("b") is None and demand.broadcaster("c") is None and demand.demands() == {}
+
+
+def test_a_per_model_gateway_forwards_a_transcription_as_it_is() -> None:
+    """The per-model gateway needs no model to route: the multipart body reaches its backend byte for
+    byte (and an unreadable one too: the backend, not the gateway, judges it)."""
+    with FakeBackend() as backend:
+        gw = ThreadedGateway(base_config(backend_url=backend.url, served_model_name="whisper")).start()
+        try:
+            client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+            out = client.audio.transcriptions.create(model="whisper", file=("clip.wav", io.BytesIO(WAV)))
+            assert out.text.startswith("heard ")
+            odd = post_form(gw, "multipart/form-data", b"not multipart at all")
+            assert odd.status_code == 200
+            sent = [body for _, _, body in backend.requests_to(TRANSCRIBE)]
+            assert WAV in sent[0] and sent[1] == b"not multipart at all"
+        finally:
+            gw.stop()
