@@ -358,6 +358,7 @@ class SharedGatewayApp(AnswersHere):
                 conn.continue_100(head)
                 data = conn.read_body(self.config.max_body_bytes, reservation)
             if is_multipart(head.content_type):  # audio uploads: routed by their form's model field
+                # A name is at most MAX_MODEL_NAME characters, each at most 4 bytes of UTF-8.
                 model = multipart_model(head.content_type or b"", data, MAX_MODEL_NAME * 4)
             else:
                 model = self._model_of(head, data)

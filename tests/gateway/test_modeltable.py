@@ -113,6 +113,15 @@ def test_diff_names_a_member_with_a_new_name_renamed_not_removed_and_added() -> 
     assert old.diff(taken).renamed == () and old.diff(taken).removed == ("qwen-7b", "old")
 
 
+def test_the_upgrade_that_adds_members_to_a_table_changes_no_model() -> None:
+    """The first table the 0.2.0 hooks write differs from 0.1.0's by `member` and `scaledObject` only:
+    the gateway's reload keeps every model's app (held requests, leases) as it is."""
+    old = parse_model_table(table(entry("a"), entry("b")), BASE)
+    new = parse_model_table(table(entry("a", member="a", scaledObject="ns/a-backend"),
+                                  entry("b", member="b", scaledObject="ns/b-backend")), BASE)
+    assert old.diff(new) == type(old.diff(new))((), (), ())
+
+
 @pytest.mark.parametrize(("doc", "message"), [
     (table(entry("a", member=""), entry("b")), "member must be a non-empty string"),
     (table(entry("a", member=7)), "member must be a non-empty string"),
