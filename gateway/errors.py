@@ -35,6 +35,14 @@ ERRORS: dict[str, GatewayError] = {
         431, "invalid_request_error", "headers_too_large", "Request headers too large or too many."
     ),
     "bad_request": GatewayError(400, "invalid_request_error", "bad_request", "Malformed request."),
+    "invalid_multipart": GatewayError(
+        400, "invalid_request_error", "invalid_multipart",
+        "The request body is not multipart/form-data the gateway can read (its boundary, framing, or a "
+        "model field given twice).",
+    ),
+    "model_too_long": GatewayError(
+        400, "invalid_request_error", "model_too_long", "The model field is longer than any model name.",
+    ),
     "invalid_json": GatewayError(
         400, "invalid_request_error", "invalid_json",
         "The request body is not a JSON object the gateway can accept (malformed, or nested too deeply).",

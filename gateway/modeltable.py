@@ -10,6 +10,14 @@ needs no restart and no Kubernetes credentials in the gateway::
       {"name": "llama", "backendURL": "http://llama-backend.models.svc:8000", "coldMode": "reject"}
     ]}
 
+An entry may name its ``member``: the LLMService it serves (hooks since 0.2.0 write it; older
+tables lack it). It identifies the model across a change of served name: a reload that gives a
+member a new name renames the model (its held requests and its demand follow), instead of removing
+one model and adding another. It may also name the member's KEDA ScaledObject (``scaledObject``:
+``<namespace>/<name>``): the scaler then answers that ScaledObject by the member even while it asks by
+a served name this table does not list yet (the hooks rewrite the ScaledObject at once, the kubelet
+refreshes the table up to a minute later).
+
 Each entry sets only what belongs to one model (``MODEL_FIELDS``, and ``LIST_FIELDS``: the API key
 files, ``authKeyFiles``, any of which opens the model); every other setting (ports,
 connection bounds, client timeouts, the held-body budget, scaler TLS) is the Pod's and comes from
@@ -33,7 +41,7 @@ from gateway.auth import MAX_KEY_FILES
 from gateway.config import ConfigError, GatewayConfig, parse_field
 from scaler.secretfiles import file_stamp
 
-__all__ = ["MODEL_FIELDS", "LIST_FIELDS", "MAX_MODELS", "ModelTable", "ModelTableFile", "TableChange", "parse_model_table"]
+__all__ = ["MODEL_FIELDS", "LIST_FIELDS", "MEMBER_FIELD", "SCALED_OBJECT_FIELD", "MAX_MODELS", "ModelTable", "ModelTableFile", "TableChange", "parse_model_table"]
 
 # JSON key of an entry -> the GatewayConfig field it sets.
 MODEL_FIELDS: dict[str, str] = {
@@ -54,6 +62,10 @@ MODEL_FIELDS: dict[str, str] = {
 LIST_FIELDS: dict[str, str] = {
     "authKeyFiles": "auth_key_files",  # 1..MAX_KEY_FILES paths; a bearer key in any of them opens the model
 }
+# The entry's member identity (the LLMService's name): not a GatewayConfig field, so a model's
+# settings compare equal across a rename.
+MEMBER_FIELD = "member"
+SCALED_OBJECT_FIELD = "scaledObject"  # "<namespace>/<name>" of the member's ScaledObject
 MAX_MODELS = 256  # bounds per-model state, greenlets and the `model` metrics label
 MAX_TABLE_BYTES = 1024 * 1024
 MAX_MODEL_NAME = 256
@@ -64,6 +76,16 @@ class TableChange:
     added: tuple[str, ...]
     removed: tuple[str, ...]
     changed: tuple[str, ...]  # same name, other settings
+    renamed: tuple[tuple[str, str], ...] = ()  # (old, new): same member, new served name
+
+
+def _renames(older: ModelTable, newer: ModelTable) -> dict[str, str]:
+    """Old served name -> new one, for members listed in both tables under different names (only
+    names that left and arrived: a member taking a name another model still has is no rename)."""
+    was = {member: name for name, member in older.members.items()}
+    return {was[member]: name for name, member in newer.members.items()
+            if member in was and was[member] != name and name not in older.models
+            and was[member] not in newer.models}
 
 
 @dataclass(frozen=True)
@@ -71,13 +93,17 @@ class ModelTable:
     """The models by served name, in the file's order (the order of ``GET /v1/models``)."""
 
     models: Mapping[str, GatewayConfig]
+    members: Mapping[str, str] = dataclasses.field(default_factory=dict)  # served name -> member, where given
+    scaled_objects: Mapping[str, str] = dataclasses.field(default_factory=dict)  # "<ns>/<name>" -> served name
 
     def diff(self, newer: ModelTable) -> TableChange:
+        renamed = _renames(self, newer)
         return TableChange(
-            added=tuple(name for name in newer.models if name not in self.models),
-            removed=tuple(name for name in self.models if name not in newer.models),
+            added=tuple(name for name in newer.models if name not in self.models and name not in renamed.values()),
+            removed=tuple(name for name in self.models if name not in newer.models and name not in renamed),
             changed=tuple(name for name, config in newer.models.items()
                           if name in self.models and self.models[name] != config),
+            renamed=tuple(renamed.items()),
         )
 
 
@@ -109,7 +135,7 @@ def _model_config(entry: Any, index: int, base: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"{where}: must be an object")
     name = _model_name(entry.get("name"), where)
     where = f"models[{index}] ({name[:40]})"
-    unknown = sorted(set(entry) - set(MODEL_FIELDS) - set(LIST_FIELDS) - {"name"})
+    unknown = sorted(set(entry) - set(MODEL_FIELDS) - set(LIST_FIELDS) - {"name", MEMBER_FIELD, SCALED_OBJECT_FIELD})
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)[:200]}; a model sets only "
                           f"{', '.join(sorted([*MODEL_FIELDS, *LIST_FIELDS]))}")
@@ -152,12 +178,38 @@ def parse_model_table(data: bytes, base: GatewayConfig) -> ModelTable:
     if len(entries) > MAX_MODELS:
         raise ConfigError(f"the model table lists {len(entries)} models; a gateway fronts at most {MAX_MODELS}")
     models: dict[str, GatewayConfig] = {}
+    members: dict[str, str] = {}
+    scaled_objects: dict[str, str] = {}
     for index, entry in enumerate(entries):
         config = _model_config(entry, index, base)
         if config.served_model_name in models:
             raise ConfigError(f"models[{index}]: {config.served_model_name[:40]!r} is listed twice")
         models[config.served_model_name] = config
-    return ModelTable(models)
+        member = _member(entry, index)
+        if member is not None:
+            if member in members.values():
+                raise ConfigError(f"models[{index}]: member {member[:60]!r} is listed twice")
+            members[config.served_model_name] = member
+        scaled_object = _identity(entry, SCALED_OBJECT_FIELD, index)
+        if scaled_object is not None:
+            if scaled_object in scaled_objects:
+                raise ConfigError(f"models[{index}]: {SCALED_OBJECT_FIELD} {scaled_object[:60]!r} is listed twice")
+            scaled_objects[scaled_object] = config.served_model_name
+    return ModelTable(models, members, scaled_objects)
+
+
+def _member(entry: dict[str, Any], index: int) -> str | None:
+    return _identity(entry, MEMBER_FIELD, index)
+
+
+def _identity(entry: dict[str, Any], key: str, index: int) -> str | None:
+    if key not in entry:
+        return None  # a table rendered by hooks before 0.2.0
+    value = entry[key]
+    if not isinstance(value, str) or not value or len(value) > MAX_MODEL_NAME or not value.isprintable():
+        raise ConfigError(f"models[{index}]: {key} must be a non-empty string of at most "
+                          f"{MAX_MODEL_NAME} printable characters")
+    return value
 
 
 class ModelTableFile:

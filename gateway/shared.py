@@ -19,6 +19,7 @@ as a ``GatewayApp``: ``handle``, ``bad_request``, ``background``, ``close``, ``c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,7 +35,8 @@ from gateway.config import GatewayConfig
 from gateway.filewatch import DirectoryWatch, watch_directory
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
-from gateway.modeltable import ModelTable, ModelTableFile, TableChange
+from gateway.modeltable import MAX_MODEL_NAME, ModelTable, ModelTableFile, TableChange
+from gateway.multipart import InvalidMultipart, ModelFieldTooLong, is_multipart, multipart_model
 from gateway.policy import MAX_JSON_DEPTH, is_json, route
 from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error
 from gateway.server import (
@@ -96,6 +98,8 @@ class SharedGatewayApp(AnswersHere):
         # Per model: its own slots, lease, prober and pool. Held bytes count against the Pod's budget.
         self.table = table
         self.apps: dict[str, GatewayApp] = {name: self._new_app(model) for name, model in table.models.items()}
+        if demand is not None:
+            demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
         self._keys = self._key_index()
         self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
@@ -152,8 +156,12 @@ class SharedGatewayApp(AnswersHere):
         """Serve ``table`` from the next request on (call in the hub thread). An added model starts
         cold; a removed one is answered as an unknown model from now on; a changed one gets a new app.
         The old apps of removed and changed models finish every request they admitted (held cold
-        requests included) and close once they have none; other models are not touched."""
+        requests included) and close once they have none; other models are not touched. A renamed
+        one (same member, new name) keeps its app, so its held requests, lease and demand carry on
+        under the new name."""
         change = self.table.diff(table)
+        for old, new in change.renamed:
+            self._rename(old, new, table.models[new])
         for name in (*change.removed, *change.changed):
             self._retiring.append(self.apps.pop(name))
         for name in (*change.added, *change.changed):
@@ -163,10 +171,30 @@ class SharedGatewayApp(AnswersHere):
         # Keep the table's order (the listing's).
         self.apps = {name: self.apps[name] for name in table.models}
         self.table = table
+        if self.demand is not None:
+            self.demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
         self._keys = self._key_index()
         self.reap()
         return change
+
+    def _rename(self, old: str, new: str, config: GatewayConfig) -> None:
+        """Move ``old``'s app to ``new``. Its demand moves first: KEDA's ScaledObject for the member
+        asks by the new name once the hooks rewrote it, and the requests held under the old name are
+        what wakes the backend. Other settings changed too: a new app, the old one retiring (its
+        held requests still count for the member)."""
+        app = self.apps.pop(old)
+        if self.demand is not None:
+            self.demand.rename(old, new)
+        if dataclasses.replace(app.config, served_model_name=new) == config:
+            app.config = config
+            app._model = new  # only the per-model `/v1/models` answer reads it (never asked here)
+            self.apps[new] = app
+            return
+        self._retiring.append(app)
+        app = self.apps[new] = self._new_app(config)
+        if self._serving:
+            self._start(app)
 
     def reap(self) -> None:
         """Close retired apps that have nothing admitted any more."""
@@ -213,7 +241,8 @@ class SharedGatewayApp(AnswersHere):
         if table is not None:
             change = self.apply(table)
             log.info("model table reloaded", extra={"added": list(change.added), "removed": list(change.removed),
-                                                    "changed": list(change.changed)})
+                                                    "changed": list(change.changed),
+                                                    "renamed": [f"{old} -> {new}" for old, new in change.renamed]})
         elif self.table_file.error is not None and self.table_file.error != self._reported:
             log.error("model table refused; the last good one stays", extra={"error": self.table_file.error})
         self._reported = self.table_file.error
@@ -328,7 +357,11 @@ class SharedGatewayApp(AnswersHere):
             if head.has_body:
                 conn.continue_100(head)
                 data = conn.read_body(self.config.max_body_bytes, reservation)
-            model = self._model_of(head, data)
+            if is_multipart(head.content_type):  # audio uploads: routed by their form's model field
+                # A name is at most MAX_MODEL_NAME characters, each at most 4 bytes of UTF-8.
+                model = multipart_model(head.content_type or b"", data, MAX_MODEL_NAME * 4)
+            else:
+                model = self._model_of(head, data)
             if model is None:
                 return answer_error(conn, self.metrics, "invalid_json")
             app = self.apps.get(model)
@@ -339,6 +372,10 @@ class SharedGatewayApp(AnswersHere):
             return app.dispatch(conn, head, RequestBody(data, reservation))
         except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted) as exc:
             return answer_body_failure(conn, self.metrics, exc, self._retry_429)
+        except InvalidMultipart:
+            return answer_error(conn, self.metrics, "invalid_multipart")
+        except ModelFieldTooLong:
+            return answer_error(conn, self.metrics, "model_too_long")
         finally:
             reservation.release()
 

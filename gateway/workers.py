@@ -389,7 +389,7 @@ def run_shared(config: GatewayConfig) -> int:
 def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand, pod: PodState) -> list[Callable[[], None]]:
     """The scaler side of a shared gateway (see run_shared); returns its shutdown steps."""
     if config.scaler_mode == "local":
-        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster,
+        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster, members=demand.by_scaled_object,
                                 on_certificate=pod.mark_scaler_certificate)
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter

@@ -142,6 +142,7 @@ class ExternalScalerServicer:
         sleep: Callable[[float], None] = time.sleep,
         models: Callable[[str], DemandBroadcaster | None] | None = None,
         model_required: bool = True,
+        members: Callable[[str, str], DemandBroadcaster | None] | None = None,
     ) -> None:
         # ``models``: a shared gateway's demand per model, looked up by the trigger metadata's
         # ``model`` on every call (the table can change); ``source`` is then unused, unless
@@ -153,6 +154,10 @@ class ExternalScalerServicer:
         self._sleep = sleep  # gevent.sleep where the streams are greenlets
         self._source = source
         self._models = models
+        # ``members``: a shared gateway's demand by the asking ScaledObject (namespace, name), for a
+        # ``model`` the gateway does not list (yet): a member renamed while the kubelet has not
+        # brought the new table to the Pod. The member's demand follows the member.
+        self._members = members
         self._model_required = model_required
         self._settings = settings
         self._stopping = False
@@ -208,6 +213,8 @@ class ExternalScalerServicer:
             context.abort(Status.INVALID_ARGUMENT,
                           f"trigger metadata {MODEL_METADATA_KEY} is required: this gateway fronts several models")
         source = self._models(name)
+        if source is None and self._members is not None:
+            source = self._members(ref.namespace, ref.name)
         if source is None:
             context.abort(Status.NOT_FOUND, f"this gateway fronts no model {name[:100]!r}")
         return source

@@ -454,6 +454,7 @@ def start_h2_scaler_server(
     on_activated: Callable[[float], None] | None = None,
     max_connections: int = MAX_CONNECTIONS,
     models: Callable[[str], DemandBroadcaster | None] | None = None,
+    members: Callable[[str, str], DemandBroadcaster | None] | None = None,
     on_certificate: CertificateListener | None = None,
 ) -> H2ScalerServer:
     """Serve the ExternalScaler on ``host:port`` from the calling thread's gevent hub (port 0 =
@@ -465,7 +466,8 @@ def start_h2_scaler_server(
     if tls is not None:
         context = ReloadingServerContext(tls, client_auth=True, alpn=("h2",), context_class=gevent.ssl.SSLContext,
                                          on_loaded=on_certificate)
-    servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep, models=models)
+    servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep, models=models,
+                                      members=members)
     try:
         server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections)
     except OSError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass, fields
 from typing import Any
 
-from gateway.modeltable import MODEL_FIELDS
+from gateway.modeltable import MEMBER_FIELD, MODEL_FIELDS, SCALED_OBJECT_FIELD
 from hooks.api.common import LocalObjectReference, ResourceRequirements, pull_secret_names
 from hooks.config import HookConfig
 from hooks.resources import backend, labels, names
@@ -195,9 +195,16 @@ class ModelSettings:
         values = self.__dict__
         return [_env("NOCTAYA_" + name.upper(), values[name]) for name in only]
 
-    def table_entry(self, served_name: str) -> dict[str, str | int]:
-        """This model's entry of a shared gateway's table (every field, in field order)."""
+    def table_entry(self, served_name: str, member: str | None = None,
+                    scaled_object: str | None = None) -> dict[str, str | int]:
+        """This model's entry of a shared gateway's table (every field, in field order). `member`:
+        the LLMService's name, which the gateway follows across a change of served name;
+        `scaled_object`: `<namespace>/<name>` of its ScaledObject, which the scaler answers by the member."""
         entry: dict[str, str | int] = {"name": served_name}
+        if member is not None:
+            entry[MEMBER_FIELD] = member
+        if scaled_object is not None:
+            entry[SCALED_OBJECT_FIELD] = scaled_object
         for f, value in zip(fields(self), astuple(self), strict=True):
             entry[TABLE_KEYS[f.name]] = value
         return entry

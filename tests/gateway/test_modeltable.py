@@ -101,6 +101,39 @@ def test_diff_names_added_removed_and_changed_models() -> None:
     assert old.diff(old) == type(change)((), (), ())
 
 
+def test_diff_names_a_member_with_a_new_name_renamed_not_removed_and_added() -> None:
+    old = parse_model_table(table(entry("qwen-7b", member="qwen"), entry("x", member="x"), entry("old")), BASE)
+    new = parse_model_table(table(entry("qwen-14b", member="qwen"), entry("x", member="x"), entry("fresh")), BASE)
+    assert old.members == {"qwen-7b": "qwen", "x": "x"}
+    change = old.diff(new)
+    assert change.renamed == (("qwen-7b", "qwen-14b"),)
+    assert (change.added, change.removed, change.changed) == (("fresh",), ("old",), ())
+    # Taking the name another model still has is no rename: the old name is removed.
+    taken = parse_model_table(table(entry("x", member="qwen")), BASE)
+    assert old.diff(taken).renamed == () and old.diff(taken).removed == ("qwen-7b", "old")
+
+
+def test_the_upgrade_that_adds_members_to_a_table_changes_no_model() -> None:
+    """The first table the 0.2.0 hooks write differs from 0.1.0's by `member` and `scaledObject` only:
+    the gateway's reload keeps every model's app (held requests, leases) as it is."""
+    old = parse_model_table(table(entry("a"), entry("b")), BASE)
+    new = parse_model_table(table(entry("a", member="a", scaledObject="ns/a-backend"),
+                                  entry("b", member="b", scaledObject="ns/b-backend")), BASE)
+    assert old.diff(new) == type(old.diff(new))((), (), ())
+
+
+@pytest.mark.parametrize(("doc", "message"), [
+    (table(entry("a", member=""), entry("b")), "member must be a non-empty string"),
+    (table(entry("a", member=7)), "member must be a non-empty string"),
+    (table(entry("a", member="s"), entry("b", member="s")), "member 's' is listed twice"),
+    (table(entry("a", scaledObject="ns/s"), entry("b", scaledObject="ns/s")), "scaledObject 'ns/s' is listed twice"),
+    (table(entry("a", scaledObject=["ns/s"])), "scaledObject must be a non-empty string"),
+])
+def test_a_bad_member_is_refused(doc: bytes, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_model_table(doc, BASE)
+
+
 def swap(path: Path, data: bytes) -> None:
     """As the kubelet updates a ConfigMap volume: a new file renamed over the old one."""
     tmp = path.with_suffix(".new")

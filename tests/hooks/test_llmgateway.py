@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gateway.config import load_config
-from gateway.modeltable import MAX_MODELS, MODEL_FIELDS, parse_model_table
+from gateway.modeltable import MAX_MODELS, MEMBER_FIELD, MODEL_FIELDS, SCALED_OBJECT_FIELD, parse_model_table
 from hooks.api.llmservice import LLMService
 from hooks.api.runtime import InferenceRuntime
 from hooks.app import create_app, serialize_body
@@ -153,6 +153,8 @@ def test_an_entry_carries_exactly_what_the_models_own_gateway_env_says() -> None
     own = env_of(gateway.deployment(ctx))
     assert entry == {
         "name": "qwen",
+        "member": "qwen",  # the LLMService: the gateway follows it across a change of served name
+        "scaledObject": "models/qwen-backend",  # what KEDA names on every call: the scaler answers it by member
         "backendURL": "http://qwen-backend.models.svc.cluster.local:9000",
         "readinessPath": "/health",
         "maxQueue": 7,
@@ -165,7 +167,7 @@ def test_an_entry_carries_exactly_what_the_models_own_gateway_env_says() -> None
         "maxBodyBytes": 8388608,
     }
     for key, value in entry.items():
-        if key != "name":
+        if key not in ("name", "member", "scaledObject"):
             assert own["NOCTAYA_" + MODEL_FIELDS[key].upper()] == str(value), key
 
 
@@ -368,9 +370,11 @@ def test_the_table_parses_with_the_gateways_own_parser() -> None:
     out = sync(llmgateway_obj(apiKeys=keys), [member("qwen", coldRequestMode="reject"), member("llama")])
     entries = table(out)
     for entry in entries:
-        assert set(entry) <= {"name", shared.AUTH_KEY_FILES, *MODEL_FIELDS}
+        assert set(entry) <= {"name", MEMBER_FIELD, SCALED_OBJECT_FIELD, shared.AUTH_KEY_FILES, *MODEL_FIELDS}
     parsed = parse_model_table(json.dumps({"models": entries}).encode(), load_config(environ=_pod_environ(out)))
     assert list(parsed.models) == ["llama", "qwen"]
+    assert parsed.members == {"llama": "llama", "qwen": "qwen"}
+    assert parsed.scaled_objects == {"models/llama-backend": "llama", "models/qwen-backend": "qwen"}
     assert parsed.models["qwen"].cold_mode == "reject"
     assert parsed.models["qwen"].auth_key_files == ("/var/run/noctaya/api-keys/0/api-key", "/var/run/noctaya/api-keys/1/api-key")
     assert parsed.models["qwen"].backend_url == "http://qwen-backend.models.svc.cluster.local:8000"
@@ -414,6 +418,35 @@ def test_a_member_that_breaks_keeps_its_previous_entry() -> None:
     assert (cond["status"], cond["reason"]) == ("False", "InvalidMember")
     assert "LLMService qwen is invalid" in cond["message"] and "its previous entry is kept" in cond["message"]
     assert "LLMService llama: InferenceRuntime gone does not exist; its previous entry is kept" in cond["message"]
+
+
+def test_a_renamed_member_keeps_its_member_identity_in_the_table() -> None:
+    """Issue 29 item 6: the gateway follows a member across a change of served name by the entry's
+    `member` (the LLMService), which a rename does not change."""
+    parent = llmgateway_obj()
+    first = sync(parent, [member("qwen", served="qwen-7b"), member("llama")])
+    later = sync(parent, [member("qwen", served="qwen-14b"), member("llama")])
+    assert {e["name"]: e[MEMBER_FIELD] for e in table(first)} == {"llama": "llama", "qwen-7b": "qwen"}
+    assert {e["name"]: e[MEMBER_FIELD] for e in table(later)} == {"llama": "llama", "qwen-14b": "qwen"}
+    parsed = parse_model_table(json.dumps({"models": table(first)}).encode(), load_config(environ=_pod_environ(first)))
+    newer = parse_model_table(json.dumps({"models": table(later)}).encode(), load_config(environ=_pod_environ(later)))
+    change = parsed.diff(newer)
+    assert (change.renamed, change.added, change.removed) == ((("qwen-7b", "qwen-14b"),), (), ())
+
+
+def test_a_kept_entry_from_an_older_release_learns_its_member() -> None:
+    """A table rendered before 0.2.0 has no `member`; a broken member's kept entry gets it, so the
+    table never lists one member under two entries nor another member's identity."""
+    parent = llmgateway_obj()
+    first = sync(parent, [member("qwen")])
+    old_cm = copy.deepcopy(by_kind(first)[("ConfigMap", "front-llmgwroutes")])
+    old_entries = [{k: v for k, v in e.items() if k not in (MEMBER_FIELD, SCALED_OBJECT_FIELD)} for e in table(first)]
+    old_cm["data"]["models.json"] = json.dumps({"models": old_entries}, separators=(",", ":"))
+    observed = [h.as_observed(c, i) for i, c in enumerate(
+        [old_cm, *(c for c in first["children"] if c["kind"] != "ConfigMap")])]
+    broken = member("qwen", maxQueue="lots")
+    later = llmgateway.sync(request(resync(parent, first), [broken], children=observed), h.config())
+    assert table(later) == [{**old_entries[0], MEMBER_FIELD: "qwen", SCALED_OBJECT_FIELD: "models/qwen-backend"}]
 
 
 def test_a_broken_member_never_routed_stays_unrouted() -> None:
