@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from gateway.state.pod import PodState
 
-__all__ = ["AdmissionSlots", "BodyReservation", "Ticket", "TicketState"]
+__all__ = ["AdmissionSlots", "BodyReservation", "HeldBytesBudget", "ModelShare", "Ticket", "TicketState"]
 
 
 class TicketState(enum.Enum):
@@ -130,6 +130,27 @@ class HeldBytesBudget(HeldBytes):
             return False
         self.held_bytes += n
         return True
+
+
+class ModelShare(HeldBytes):
+    """One model's share of a shared gateway's :class:`HeldBytesBudget`: its held bodies count against
+    both its own bound and the Pod's, so one cold model cannot refuse every other model's requests.
+    One event loop only."""
+
+    def __init__(self, budget: HeldBytesBudget, max_bytes: int) -> None:
+        self.budget = budget
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+    def _take_bytes(self, n: int) -> bool:
+        if self.held_bytes + n > self.max_bytes or not self.budget._take_bytes(n):
+            return False
+        self.held_bytes += n
+        return True
+
+    def _give_bytes(self, n: int) -> None:
+        super()._give_bytes(n)
+        self.budget._give_bytes(n)
 
 
 class AdmissionSlots(HeldBytes):

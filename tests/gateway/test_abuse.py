@@ -79,6 +79,8 @@ def shared(request: pytest.FixtureRequest) -> bool:
     return request.param
 
 DEADLINE = 2.0  # NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS in these tests
+# A body below the minimum rate is cut after the grace and one window: 1 s + 1 s, the head's DEADLINE.
+PACE = {"NOCTAYA_CLIENT_BODY_GRACE_SECONDS": "1", "NOCTAYA_CLIENT_MIN_RATE_WINDOW_SECONDS": "1"}
 TTFT = "noctaya_gateway_time_to_first_token_seconds"
 
 
@@ -263,7 +265,7 @@ def test_slowloris_heads_bodies_and_trailers_end_at_the_request_deadline(shared:
     max_queue = 4
     pod = GatewayPod(backend.port, shared=shared, NOCTAYA_GATEWAY_WORKERS="2", NOCTAYA_MAX_QUEUE=str(max_queue),
                      NOCTAYA_CLIENT_REQUEST_TIMEOUT_SECONDS=str(DEADLINE), NOCTAYA_SCALER_MODE="local",
-                     NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60")
+                     NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="60", **PACE)
     stream = ActiveStream(pod.scaler_port, pod.ref)
     attackers = [a for i in range(24) for a in slow_kinds(f"127.0.0.{2 + i}")]  # many addresses
     attackers += [a for _ in range(6) for a in slow_kinds("127.0.0.100")]  # and one address
@@ -295,13 +297,20 @@ def test_slowloris_heads_bodies_and_trailers_end_at_the_request_deadline(shared:
         wait_until(lambda: pod.queue()["queued"] == max_queue, 10, "every legitimate request admitted")
         driver.join(30)
         assert not driver.is_alive()
-        # Every attacker ended at the deadline with a JSON 408 and a closed connection.
+        # Every attacker ended at the deadline with a JSON 408 and a closed connection: a slow head's
+        # may be retried, a body below the minimum rate's says a retry cannot help.
         late = [(a.kind, a.source, round(a.closed_at - a.started, 2)) for a in attackers
                 if a.closed_at is None or not DEADLINE - 0.1 <= a.closed_at - a.started <= DEADLINE + 2.0]
         assert not late, late
         for a in attackers:
             assert a.sent > len(a.prefix) + 4, (a.kind, a.sent)  # it really was dribbling
-            assert_error(Reader.of(a.reply).response(), 408, "request_timeout", close=True)
+            response = Reader.of(a.reply).response()
+            if a.kind == "head":
+                assert_error(response, 408, "request_timeout", close=True)
+                assert b"x-should-retry" not in a.reply.lower()
+            else:
+                assert_error(response, 408, "client_too_slow", close=True)
+                assert b"x-should-retry: false" in a.reply.lower()
             assert error_type(a.reply) == "invalid_request_error"
         # Nothing left behind: only the legitimate requests are queued, holding only their own bytes.
         q = pod.queue()
