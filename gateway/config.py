@@ -376,13 +376,18 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         raise ConfigError("NOCTAYA_AGGREGATOR_CA_FILE is set but NOCTAYA_AGGREGATOR_URL is not https://")
     if config.max_held_body_bytes < config.max_body_bytes:
         raise ConfigError("NOCTAYA_MAX_HELD_BODY_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
-    if config.upload_bytes < config.max_body_bytes:
-        raise ConfigError("NOCTAYA_MAX_UPLOAD_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
-    if 0 < config.upload_bytes_per_address < config.max_body_bytes:
-        raise ConfigError("NOCTAYA_MAX_UPLOAD_BYTES_PER_ADDRESS must be 0 or >= NOCTAYA_MAX_BODY_BYTES")
+    _check_upload_bounds(config)
     tls = (config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
     if any(tls) and not all(tls):
         raise ConfigError(
             "mutual TLS needs all of NOCTAYA_SCALER_TLS_CERT_FILE, _KEY_FILE and _CA_FILE"
         )
     return config
+
+
+def _check_upload_bounds(config: GatewayConfig) -> None:
+    """Every bound on bodies still arriving must let one largest body through."""
+    if config.upload_bytes < config.max_body_bytes:
+        raise ConfigError("NOCTAYA_MAX_UPLOAD_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
+    if 0 < config.upload_bytes_per_address < config.max_body_bytes:
+        raise ConfigError("NOCTAYA_MAX_UPLOAD_BYTES_PER_ADDRESS must be 0 or >= NOCTAYA_MAX_BODY_BYTES")

@@ -319,3 +319,23 @@ def test_a_sender_just_above_the_minimum_rate_is_not_cut(backend: FakeBackend,
     response, took = slow_upload(gw.port, 50 * 1024, 10 * 1024, timeout=30)
     assert response.status == 200, response
     assert took > 4.0
+
+
+def test_upload_and_rate_settings_defaults_and_bounds() -> None:
+    from gateway.config import ConfigError, load_config
+
+    env = {"NOCTAYA_BACKEND_URL": "http://x:1", "NOCTAYA_SERVED_MODEL_NAME": "m",
+           "NOCTAYA_MAX_HELD_BODY_BYTES": str(HELD)}
+    c = load_config([], env)
+    assert (c.upload_bytes, c.upload_bytes_per_address, c.held_bytes_per_model) == (HELD, 2 * BIG, HELD // 2)
+    assert (c.client_min_rate_bytes, c.client_min_rate_window_seconds, c.client_body_grace_seconds,
+            c.client_body_timeout_seconds) == (8192, 10.0, 10.0, 1800.0)
+    at_limit = load_config([], {**env, "NOCTAYA_MAX_UPLOAD_BYTES_PER_ADDRESS": str(BIG), "NOCTAYA_MAX_UPLOAD_BYTES": str(BIG),
+                                "NOCTAYA_HELD_BODY_SHARE_PER_MODEL": "1"})
+    assert (at_limit.upload_bytes_per_address, at_limit.upload_bytes, at_limit.held_bytes_per_model) == (BIG, BIG, HELD)
+    assert load_config([], {**env, "NOCTAYA_MAX_UPLOAD_BYTES_PER_ADDRESS": "0"}).upload_bytes_per_address == 0
+    for bad in ({"NOCTAYA_MAX_UPLOAD_BYTES_PER_ADDRESS": str(BIG - 1)}, {"NOCTAYA_MAX_UPLOAD_BYTES": str(BIG - 1)},
+                {"NOCTAYA_HELD_BODY_SHARE_PER_MODEL": "0"}, {"NOCTAYA_HELD_BODY_SHARE_PER_MODEL": "1.01"},
+                {"NOCTAYA_CLIENT_MIN_RATE_WINDOW_SECONDS": "0"}):
+        with pytest.raises(ConfigError):
+            load_config([], {**env, **bad})
