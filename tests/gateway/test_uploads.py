@@ -84,9 +84,8 @@ def unfinished(port: int, source: str, size: int = BIG) -> tuple[socket.socket, 
 
 
 def flood(port: int, model: str = "test-model") -> list[socket.socket]:
-    """UNFINISHED uploads from ATTACKER: exactly two fit its per-address bound (2 x 8 MiB); every
-    further one is refused 429 upload_bytes_per_address."""
-    socks, refused = [], []
+    """UNFINISHED uploads from ATTACKER, one after the other, none answered yet."""
+    socks = []
     for _ in range(UNFINISHED):
         sock = connect(port, ATTACKER, timeout=30)
         try:
@@ -94,8 +93,16 @@ def flood(port: int, model: str = "test-model") -> list[socket.socket]:
         except OSError:
             pass
         socks.append(sock)
+    return socks
+
+
+def flood_refused(socks: list[socket.socket]) -> list[socket.socket]:
+    """Exactly two of the flood's uploads fit ATTACKER's per-address bound (2 x 8 MiB): every further
+    one was refused 429 upload_bytes_per_address. Returns the two still uploading."""
+    refused = []
     for sock in socks[2:]:
         refused.append(answer(sock))
+        sock.close()
     for sock in socks[:2]:  # at the bound, still uploading: nothing answered
         sock.settimeout(0.3)
         with pytest.raises(TimeoutError):
@@ -160,10 +167,11 @@ def test_unfinished_uploads_leave_warm_requests_and_other_addresses_alone(
         backend: FakeBackend, gateways: Callable[..., ThreadedGateway]) -> None:
     backend.start()
     gw = gateways(config(backend_url=backend.url))
-    stuck = flood(gw.port)
+    socks = flood(gw.port)
     # A warm request far larger than one read, from another address: served, first try.
     response = post(gw.port, body_of(4 * MiB), LEGIT)
     assert response.status == 200, response
+    stuck = flood_refused(socks)
     # The attacker's address is at its bound; it gets nothing more until one of its uploads ends.
     with connect(gw.port, ATTACKER) as sock:
         try:
@@ -197,7 +205,7 @@ def test_shared_unfinished_uploads_for_a_cold_model_leave_another_model_alone(
         if other_warm:
             b.start()
         gw = shared_gateway(gateways, a, b)
-        stuck = flood(gw.port, "a")
+        socks = flood(gw.port, "a")
         with connect(gw.port, LEGIT, timeout=30) as sock:
             sock.sendall(head_of(4 * MiB) + body_of(4 * MiB, "b"))
             if not other_warm:  # held for b, then served once b wakes
@@ -205,7 +213,7 @@ def test_shared_unfinished_uploads_for_a_cold_model_leave_another_model_alone(
                 b.start()
             response = answer(sock)
         assert response.status == 200, response
-        for sock in stuck:
+        for sock in flood_refused(socks):
             sock.close()
     finally:
         a.stop()
