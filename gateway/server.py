@@ -136,8 +136,8 @@ class ClientConnection:
     """One client socket, its parser and its deadlines."""
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
-                 "request_deadline", "timed_out", "clock", "pace", "body_cap", "progress", "waiting_since", "upstream", "watching", "polled", "gone",
-                 "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
+                 "request_deadline", "timed_out", "clock", "pace", "body_cap", "progress", "waiting_since",
+                 "upstream", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
                  "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
@@ -461,7 +461,9 @@ def polled_hang_up(raw: std_socket.socket, half_close_allowed: bool) -> bool:
 
 
 class HeldBytesExhausted(Exception):
-    """The Pod-wide budget for bodies held by waiting requests is spent (-> 429)."""
+    """The Pod-wide budget for bodies held by waiting requests is spent (-> 429). No longer raised
+    while a body is read (bodies still arriving are the upload bounds', ``UploadRefused``); kept for
+    callers that still catch it."""
 
 
 def serve_connection(app: ServedApp, conn: ClientConnection) -> None:

@@ -324,7 +324,8 @@ class SharedGatewayApp(AnswersHere):
         return answer_error(conn, self.metrics, "model_not_found")
 
     def _forward(self, conn: ClientConnection, head: RequestHead) -> bool:
-        """Read the whole body against the Pod's budget, find its model, hand it to that model's app."""
+        """Read the whole body against the upload bounds, find its model, hand it to that model's app
+        with a reservation from that model's share of the Pod's held budget."""
         conn.timing.start(head.arrived, produces_tokens(head.method, head.path))
         upload = self.uploads.reservation(conn.peer)
         reservation = None
