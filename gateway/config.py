@@ -65,13 +65,28 @@ class GatewayConfig:
     upstream_connect_timeout_seconds: float = 3.0
     upstream_idle_timeout_seconds: float = 600.0
     client_idle_timeout_seconds: float = 120.0
-    # Head + body of one request, from its first byte: 8 MiB in 60 s is 140 KB/s, which a client on
-    # a slow link meets; a slowloris does not hold its connection (or anything else) longer.
+    # One request's head, from its first byte: a slowloris does not hold its connection longer.
     client_request_timeout_seconds: float = 60.0
+    # The body is cut by its progress, not by a fixed total (gateway.server.UploadPace): a steady
+    # client on a slow uplink (4 MiB at 60 KB/s) is never cut; one below the minimum rate is, with a
+    # 408 that tells the SDK not to retry (a retry would be as slow). 8 KiB/s over 10 s, after 10 s
+    # for the first bytes; the cap bounds any body (8 MiB at the minimum rate is ~17 minutes).
+    client_min_rate_bytes: int = 8 * 1024
+    client_min_rate_window_seconds: float = 10.0
+    client_body_grace_seconds: float = 10.0
+    client_body_timeout_seconds: float = 1800.0
     max_connections: int = 4096
     # None = half of max_connections (one address never takes the whole pool); 0 = no cap.
     max_connections_per_address: int | None = None
     max_held_body_bytes: int = 256 * 1024 * 1024
+    # Bodies still arriving (gateway.state.uploads), per worker, apart from the held budget. None:
+    # the held budget (all uploads) and twice the largest body (one address).
+    max_upload_bytes: int | None = None
+    max_upload_bytes_per_address: int | None = None
+    # A shared gateway: the share of the held budget one model's held bodies may take, so one cold
+    # model cannot refuse another's requests (at least one largest body). A half: with the smallest
+    # derived budget (64 MiB under a 256 MiB limit) one model still holds four 8 MiB bodies.
+    held_body_share_per_model: float = 0.5
     log_level: str = "info"
     gateway_workers: int | None = None  # None = the container's CPU limit (gateway.workers.default_workers)
     # A shared gateway: the models come from this file (gateway.modeltable), and backend_url /
@@ -84,6 +99,23 @@ class GatewayConfig:
         if self.max_connections_per_address is None:
             return max(1, self.max_connections // 2)
         return self.max_connections_per_address
+
+    @property
+    def upload_bytes(self) -> int:
+        """The worker's bound on body bytes still arriving."""
+        return self.max_held_body_bytes if self.max_upload_bytes is None else self.max_upload_bytes
+
+    @property
+    def upload_bytes_per_address(self) -> int:
+        """One client address's bound on body bytes still arriving, per worker (0 = none)."""
+        if self.max_upload_bytes_per_address is None:
+            return 2 * self.max_body_bytes
+        return self.max_upload_bytes_per_address
+
+    @property
+    def held_bytes_per_model(self) -> int:
+        """A shared gateway's bound on one model's held bodies."""
+        return max(self.max_body_bytes, int(self.max_held_body_bytes * self.held_body_share_per_model))
 
     @property
     def key_files(self) -> tuple[str, ...]:
@@ -128,6 +160,13 @@ def _pos_float(v: str) -> float:
     x = float(v)
     if not x > 0 or x != x or x == float("inf"):
         raise ValueError("must be a finite number > 0")
+    return x
+
+
+def _share(v: str) -> float:
+    x = float(v)
+    if not 0 < x <= 1:
+        raise ValueError("must be a number in (0, 1]")
     return x
 
 
@@ -226,9 +265,16 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upstream_idle_timeout_seconds": _pos_float,
     "client_idle_timeout_seconds": _pos_float,
     "client_request_timeout_seconds": _pos_float,
+    "client_min_rate_bytes": _nonneg_int,
+    "client_min_rate_window_seconds": _pos_float,
+    "client_body_grace_seconds": _nonneg_float,
+    "client_body_timeout_seconds": _pos_float,
     "max_connections": _pos_int,
     "max_connections_per_address": _nonneg_int,
     "max_held_body_bytes": _pos_int,
+    "max_upload_bytes": _pos_int,
+    "max_upload_bytes_per_address": _nonneg_int,
+    "held_body_share_per_model": _share,
     "log_level": _choice("debug", "info", "warning", "error"),
     "gateway_workers": _pos_int,
     "model_table_file": _text,
@@ -244,7 +290,17 @@ _HELP = {
     "scaler_mode": "local (gRPC scaler in a child process), report (push to aggregator), off",
     "aggregator_ca_file": "CA that verifies the aggregator's certificate (its URL must then be https://)",
     "backend_accelerators": "accelerators one backend replica requests; exported for accelerator-hours",
-    "client_request_timeout_seconds": "deadline for one request's head and body, from its first byte (408 beyond)",
+    "client_request_timeout_seconds": "deadline for one request's head, from its first byte (408 beyond)",
+    "client_min_rate_bytes": "slowest body upload accepted, bytes/s over each window (408, x-should-retry: false, "
+                             "below); 0 = only the body cap",
+    "client_min_rate_window_seconds": "window over which a body upload must keep the minimum rate",
+    "client_body_grace_seconds": "time allowed for a body's first bytes before the minimum rate applies",
+    "client_body_timeout_seconds": "cap on one body's upload whatever its rate (408 beyond)",
+    "max_upload_bytes": "body bytes still arriving, all clients, per worker (429 upload_bytes_full beyond); "
+                        "default: the held-body budget",
+    "max_upload_bytes_per_address": "body bytes still arriving from one client address, per worker "
+                                    "(429 upload_bytes_per_address beyond); default: 2 x max body; 0 = no bound",
+    "held_body_share_per_model": "shared gateway: share (0-1] of the held-body budget one model may hold",
     "max_connections_per_address": "open public connections one client address may hold per worker (429 beyond); "
                                    "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
@@ -320,9 +376,18 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         raise ConfigError("NOCTAYA_AGGREGATOR_CA_FILE is set but NOCTAYA_AGGREGATOR_URL is not https://")
     if config.max_held_body_bytes < config.max_body_bytes:
         raise ConfigError("NOCTAYA_MAX_HELD_BODY_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
+    _check_upload_bounds(config)
     tls = (config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
     if any(tls) and not all(tls):
         raise ConfigError(
             "mutual TLS needs all of NOCTAYA_SCALER_TLS_CERT_FILE, _KEY_FILE and _CA_FILE"
         )
     return config
+
+
+def _check_upload_bounds(config: GatewayConfig) -> None:
+    """Every bound on bodies still arriving must let one largest body through."""
+    if config.upload_bytes < config.max_body_bytes:
+        raise ConfigError("NOCTAYA_MAX_UPLOAD_BYTES must be >= NOCTAYA_MAX_BODY_BYTES")
+    if 0 < config.upload_bytes_per_address < config.max_body_bytes:
+        raise ConfigError("NOCTAYA_MAX_UPLOAD_BYTES_PER_ADDRESS must be 0 or >= NOCTAYA_MAX_BODY_BYTES")

@@ -50,6 +50,18 @@ ERRORS: dict[str, GatewayError] = {
     "request_timeout": GatewayError(
         408, "invalid_request_error", "request_timeout", "The request was not received in time."
     ),
+    "client_too_slow": GatewayError(
+        408, "invalid_request_error", "client_too_slow",
+        "The request body arrived more slowly than the gateway's minimum upload rate.",
+    ),
+    "upload_bytes_per_address": GatewayError(
+        429, "rate_limit_error", "upload_bytes_per_address",
+        "Too many request bytes are being uploaded from this address at once; finish or close other uploads.",
+    ),
+    "upload_bytes_full": GatewayError(
+        429, "rate_limit_error", "upload_bytes_full",
+        "The gateway is receiving too many request bytes at once; retry later.",
+    ),
     "too_many_connections": GatewayError(
         429, "rate_limit_error", "too_many_connections",
         "Too many connections from this address; close idle connections or retry later.",
@@ -89,7 +101,9 @@ ERRORS: dict[str, GatewayError] = {
 # activation that timed out already waited the whole timeout. A draining gateway's 503 is retried:
 # the request never reached a backend, the answer closes the connection, and by then (after
 # drain_delay_seconds) the Pod is out of its Service, so the retry's new connection reaches another.
-NO_RETRY = frozenset({"activation_timeout"})
+# A body cut for arriving below the minimum rate would be as slow again: the SDK retries a 408 unless
+# told not to, and each retry re-uploads the whole body.
+NO_RETRY = frozenset({"activation_timeout", "client_too_slow"})
 
 
 def backend_failure(reason: str | None) -> str:

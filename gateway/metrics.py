@@ -38,7 +38,8 @@ __all__ = ["GatewayMetrics", "REJECTION_REASONS", "Counter", "Histogram"]  # and
 
 REJECTION_REASONS = (
     "unauthorized", "queue_full", "queue_bytes_full", "cold_reject", "draining", "too_large", "activation_timeout",
-    "request_timeout", "too_many_connections", "invalid_json",
+    "request_timeout", "too_many_connections", "invalid_json", "client_too_slow", "upload_bytes_per_address",
+    "upload_bytes_full",
 )
 ACTIVATION_BUCKETS = (1, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900)
 TTFB_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -63,7 +64,7 @@ _TTFT = _PHASES + len(ACTIVATION_PHASES) * _PHASE_STRIDE
 _TTFT_STRIDE = len(TTFT_BUCKETS) + 4
 _PROTOCOL = _TTFT + len(TTFT_STARTS) * _TTFT_STRIDE
 _END = _PROTOCOL + len(PROTOCOL_ERRORS)
-assert _END <= ROW_CELLS
+assert _END <= ROW_CELLS and len(REJECTION_REASONS) <= _COLD - _REASONS
 
 
 class Counter:

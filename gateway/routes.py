@@ -1,9 +1,10 @@
 """The gateway's request handler (SPEC §6): a thin layer over the request policy, the state objects
 and the relay.
 
-authenticate -> read the whole body (its bytes reserved from the Pod's budget as they arrive, under
-the whole-request deadline) -> warm: take a slot and forward at once / cold: inspect the body
-(bounded), take a slot, start or extend the activation lease, then wait (keepalive SSE heartbeats,
+authenticate -> read the whole body (its bytes counted against the upload bounds as they arrive, per
+client address and per worker, under the minimum-rate rule) -> warm: take a slot and forward at once / cold: inspect the body
+(bounded), take a slot, move its bytes to the held-while-cold budget, start or extend the activation
+lease, then wait (keepalive SSE heartbeats,
 silent hold, or 503 in reject mode) -> forward once the backend answers its readiness path -> relay.
 
 A request takes no slot and makes no demand before its body is complete: a client that trickles
@@ -51,6 +52,7 @@ from gateway.server import (
 from gateway.state.admission import BodyReservation, Ticket
 from gateway.state.pod import IN_FLIGHT, QUEUED, PodState
 from gateway.state.readiness import ProbeResult
+from gateway.state.uploads import UploadBudget, UploadRefused, UploadReservation
 from gateway.timing import RequestTiming, produces_tokens
 from gateway.wire import LAST_CHUNK, BadRequest, RequestHead, ResponseHead, chunk, connection_tokens, response_head
 
@@ -63,18 +65,31 @@ _SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no
 
 
 class RequestBody:
-    """A received request body and its share of the held-body budget. Dropped (memory and budget)
-    as soon as it has been written to the backend, not when the answer ends."""
+    """A received request body, its bytes counted as an upload (``upload``) until it is held for a
+    cold model, then in the held-body budget (``reservation``). Dropped (memory and both budgets) as
+    soon as it has been written to the backend, not when the answer ends."""
 
-    __slots__ = ("data", "reservation")
+    __slots__ = ("data", "reservation", "upload")
 
-    def __init__(self, data: bytes, reservation: BodyReservation) -> None:
+    def __init__(self, data: bytes, reservation: BodyReservation, upload: UploadReservation | None = None) -> None:
         self.data = data
         self.reservation = reservation
+        self.upload = upload
+
+    def hold(self) -> bool:
+        """The request is held for a cold model: its bytes move from the upload bounds to the held
+        budget (False, nothing moved, when that cannot take them)."""
+        if not self.reservation.cover(len(self.data)):
+            return False
+        if self.upload is not None:
+            self.upload.release()
+        return True
 
     def drop(self) -> None:
         self.data = b""
         self.reservation.release()
+        if self.upload is not None:
+            self.upload.release()
 
 
 def answer_error(conn: ClientConnection, metrics: GatewayMetrics, name: str,
@@ -99,7 +114,10 @@ def answer_body_failure(conn: ClientConnection, metrics: GatewayMetrics, exc: Ex
     of the upload is unread)."""
     conn.message_done = False
     if isinstance(exc, RequestTimedOut):
-        return answer_error(conn, metrics, "request_timeout", close=True)
+        return answer_error(conn, metrics, "client_too_slow" if exc.slow else "request_timeout", close=True)
+    if isinstance(exc, UploadRefused):
+        name = "upload_bytes_per_address" if exc.per_address else "upload_bytes_full"
+        return answer_error(conn, metrics, name, retry_429, close=True)
     if isinstance(exc, HeldBytesExhausted):
         return answer_error(conn, metrics, "queue_bytes_full", retry_429, close=True)
     name = "too_large" if isinstance(exc, RequestBodyTooLarge) else "bad_request"
@@ -188,6 +206,7 @@ class GatewayApp(AnswersHere):
         self._models_body = json.dumps({"object": "list", "data": [self._model_object()]}).encode()
         self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
         self._retry_503 = [(b"Retry-After", b"%d" % config.retry_after_seconds)]
+        self.uploads = UploadBudget(config.upload_bytes, config.upload_bytes_per_address)
         self._routes = {"health": self._health, "metrics": self._metrics, "queue": self._queue,
                         "models": self._models, "forward": self._forward_request}
 
@@ -298,15 +317,17 @@ class GatewayApp(AnswersHere):
     def _forward_request(self, conn: ClientConnection, head: RequestHead) -> bool:
         conn.timing.start(head.arrived, produces_tokens(head.method, head.path))
         reservation = self.activation.slots.reservation()
+        upload = self.uploads.reservation(conn.peer)
         try:
             data = b""
             if head.has_body:
                 conn.continue_100(head)
-                data = conn.read_body(self.config.max_body_bytes, reservation)
-            return self.dispatch(conn, head, RequestBody(data, reservation))
-        except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted) as exc:
+                data = conn.read_body(self.config.max_body_bytes, upload)
+            return self.dispatch(conn, head, RequestBody(data, reservation, upload))
+        except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted, UploadRefused) as exc:
             return answer_body_failure(conn, self.metrics, exc, self._retry_429)
         finally:
+            upload.release()
             reservation.release()
 
     def dispatch(self, conn: ClientConnection, head: RequestHead, body: RequestBody) -> bool:
@@ -432,7 +453,7 @@ class GatewayApp(AnswersHere):
             ticket = activation.slots.try_admit(in_flight=False)
             if ticket is None:
                 return self._error(conn, "queue_full", self._retry_429)
-        if not body.reservation.cover(len(body.data)):
+        if not body.hold():
             ticket.release()
             return self._error(conn, "queue_bytes_full", self._retry_429)
         deadline = activation.cold_admission(head.arrived)

@@ -19,6 +19,7 @@ import select
 import socket as std_socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import gevent
@@ -29,7 +30,7 @@ from gevent.server import StreamServer
 
 from gateway.errors import ERRORS, error_body
 from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all
-from gateway.state.admission import BodyReservation
+from gateway.state.uploads import UploadReservation
 from gateway.timing import RequestTiming
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
@@ -59,7 +60,7 @@ class ServedApp(Protocol):
     def withdraw(self) -> None: ...
 
 __all__ = ["ClientConnection", "ClientGone", "ClientBodyError", "RequestBodyTooLarge", "RequestTimedOut",
-           "HeldBytesExhausted", "GatewayServer", "ServedApp", "serve_connection", "listen_socket"]
+           "HeldBytesExhausted", "GatewayServer", "ServedApp", "UploadPace", "serve_connection", "listen_socket"]
 
 log = logging.getLogger("noctaya.gateway")
 
@@ -84,7 +85,30 @@ class RequestBodyTooLarge(Exception):
 
 
 class RequestTimedOut(ClientBodyError):
-    """The request's head and body did not arrive within the whole-request deadline (-> 408)."""
+    """The request's head did not arrive within its deadline, or its body came too slowly
+    (``slow``: below the minimum rate, or past the body's absolute cap; see :class:`UploadPace`) (-> 408)."""
+
+    def __init__(self, slow: bool = False) -> None:
+        super().__init__()
+        self.slow = slow
+
+
+@dataclass(frozen=True, slots=True)
+class UploadPace:
+    """How fast a body must arrive. Not a fixed deadline for the whole body (a large body on a slow
+    but steady link would be cut, and the SDK's retries upload it again and again): after ``grace``
+    seconds for the first bytes, every ``window`` seconds must bring ``min_rate * window`` bytes (the
+    window restarts each time they have come), and ``cap`` bounds the whole body whatever the rate.
+    ``min_rate`` 0: only ``cap``."""
+
+    min_rate: int
+    window: float
+    grace: float
+    cap: float
+
+    @property
+    def quota(self) -> int:
+        return max(1, int(self.min_rate * self.window))
 
 
 _ids = itertools.count(1)
@@ -112,12 +136,13 @@ class ClientConnection:
     """One client socket, its parser and its deadlines."""
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
-                 "request_deadline", "timed_out", "clock", "waiting_since", "upstream", "watching", "polled", "gone",
-                 "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
+                 "request_deadline", "timed_out", "clock", "pace", "body_cap", "progress", "waiting_since",
+                 "upstream", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
                  "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
-                 clock: Callable[[], float], admin: bool = False, request_timeout: float = INF) -> None:
+                 clock: Callable[[], float], admin: bool = False, request_timeout: float = INF,
+                 pace: UploadPace | None = None) -> None:
         self.sock = sock
         self.admin = admin  # accepted on the admin port: /metrics and /noctaya/queue, never /v1
         self.raw: std_socket.socket = sock._sock
@@ -127,8 +152,12 @@ class ClientConnection:
         self.deadline = INF  # of the blocking read or write in progress (the watchdog enforces it)
         self.idle_timeout = idle_timeout
         self.request_timeout = request_timeout
-        self.request_deadline = INF  # head + body of the message being read, from its first byte
+        self.request_deadline = INF  # of the head (from its first byte), then of the body's progress
         self.timed_out = False
+        # Without a pace the body shares the head's deadline (a connection built bare, in tests).
+        self.pace = pace
+        self.body_cap = INF  # set while a body is being read under ``pace``
+        self.progress = 0  # body bytes since the pace's window last restarted
         self.clock = clock
         self.waiting_since: float | None = None  # set while awaiting the backend's response head
         self.upstream: UpstreamConnection | None = None  # the backend connection in use
@@ -158,14 +187,38 @@ class ClientConnection:
             finally:
                 self.deadline = INF
             if self.timed_out:
-                raise RequestTimedOut()
+                raise RequestTimedOut(slow=self.body_cap != INF)
             if not data:
                 return None
             parser = self.parser
             parser.feed(data)  # BadRequest propagates
-            if parser.in_message and self.request_deadline == INF:
+            if self.body_cap != INF:
+                self._progressed(len(data), self.clock())
+            elif parser.in_message and self.request_deadline == INF:
                 self.request_deadline = parser.started + self.request_timeout
         return events.popleft()
+
+    def _start_body(self) -> None:
+        """The head is in, its body follows: from now on the body's progress sets the deadline."""
+        pace = self.pace
+        if pace is None:
+            return
+        now = self.clock()
+        self.body_cap = now + pace.cap
+        self.progress = 0
+        first = now + pace.grace + pace.window if pace.min_rate else INF
+        self.request_deadline = min(self.body_cap, first)
+
+    def _progressed(self, n: int, now: float) -> None:
+        """``n`` more body bytes: a full window's quota restarts the window (a steady client is never
+        cut, however large its body, up to the cap)."""
+        pace = self.pace
+        if pace is None or not pace.min_rate:
+            return
+        self.progress += n
+        if self.progress >= pace.quota:
+            self.progress = 0
+            self.request_deadline = min(self.body_cap, now + pace.window)
 
     def read_head(self) -> RequestHead | None:
         """The next request's head, or None when the client closed between requests. Raises
@@ -181,6 +234,8 @@ class ClientConnection:
         self.keep_alive = head.keep_alive
         if not head.has_body:
             self.finish_message()  # its end is already parsed: answers need not close the connection
+        else:
+            self._start_body()
         return head
 
     def body_pieces(self, limit: int | None = None) -> Iterator[bytes]:
@@ -203,10 +258,11 @@ class ClientConnection:
                 raise RequestBodyTooLarge()
             yield piece
 
-    def read_body(self, limit: int, reservation: BodyReservation) -> bytes:
+    def read_body(self, limit: int, uploads: UploadReservation) -> bytes:
         """The whole body (bounded by ``limit``). A body already parsed with its head (one read) is
-        returned as it is; one that needs more reads has every piece reserved in ``reservation`` as
-        it arrives (HeldBytesExhausted when the Pod's budget cannot take it)."""
+        returned as it is; one that needs more reads has every piece counted in ``uploads`` as it
+        arrives (UploadRefused past the client address's or the worker's upload bound). Those bytes
+        are not the held-while-cold budget's: only a complete request held for a cold model is."""
         events = self.parser.events
         if len(events) >= 2 and events[0][0] == "body" and events[1][0] == "end":
             # The usual small request: head and body arrived in one read.
@@ -218,14 +274,14 @@ class ClientConnection:
             return piece
         parts = []
         for piece in self.body_pieces(limit):
-            if not reservation.take(len(piece)):
-                raise HeldBytesExhausted()
+            uploads.take(len(piece))
             parts.append(piece)
         return b"".join(parts)
 
     def _message_read(self) -> None:
         self.message_done = True
         self.request_deadline = INF
+        self.body_cap = INF
 
     def finish_message(self) -> bool:
         """After answering: True when the connection can take its next request (the rest of this
@@ -405,7 +461,9 @@ def polled_hang_up(raw: std_socket.socket, half_close_allowed: bool) -> bool:
 
 
 class HeldBytesExhausted(Exception):
-    """The Pod-wide budget for bodies held by waiting requests is spent (-> 429)."""
+    """The Pod-wide budget for bodies held by waiting requests is spent (-> 429). No longer raised
+    while a body is read (bodies still arriving are the upload bounds', ``UploadRefused``); kept for
+    callers that still catch it."""
 
 
 def serve_connection(app: ServedApp, conn: ClientConnection) -> None:
@@ -449,6 +507,9 @@ class GatewayServer:
         self.clock = clock
         self.idle_timeout = app.config.client_idle_timeout_seconds
         self.request_timeout = app.config.client_request_timeout_seconds
+        config = app.config
+        self.pace = UploadPace(config.client_min_rate_bytes, config.client_min_rate_window_seconds,
+                               config.client_body_grace_seconds, config.client_body_timeout_seconds)
         self.per_address_cap = app.config.connections_per_address
         self.per_address: dict[str, int] = {}  # open public connections by client address (bounded by the pool)
         self.connections: set[ClientConnection] = set()
@@ -501,7 +562,7 @@ class GatewayServer:
             sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin, self.request_timeout)
+        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin, self.request_timeout, self.pace)
         self.connections.add(conn)
         if len(self.connections) == 1:
             self._arrived.set()

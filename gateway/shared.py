@@ -46,9 +46,10 @@ from gateway.server import (
     HeldBytesExhausted,
     RequestBodyTooLarge,
 )
-from gateway.state.admission import HeldBytesBudget
+from gateway.state.admission import HeldBytesBudget, ModelShare
 from gateway.state.models import ModelDemand
 from gateway.state.pod import PodState
+from gateway.state.uploads import UploadBudget, UploadRefused
 from gateway.timing import produces_tokens
 from gateway.wire import RequestHead
 
@@ -95,6 +96,9 @@ class SharedGatewayApp(AnswersHere):
         # Pod-level answers (unknown model, bad requests, refusals) and ``pod``'s scaler certificate.
         self.metrics = GatewayMetrics(pod)
         self.budget = HeldBytesBudget(config.max_held_body_bytes)
+        # Bodies still arriving, before their model is known: per client address, never the held budget.
+        self.uploads = UploadBudget(config.upload_bytes, config.upload_bytes_per_address)
+        self._shares: dict[str, ModelShare] = {}  # each model's bounded share of ``budget``
         # Per model: its own slots, lease, prober and pool. Held bytes count against the Pod's budget.
         self.table = table
         self.apps: dict[str, GatewayApp] = {name: self._new_app(model) for name, model in table.models.items()}
@@ -175,6 +179,9 @@ class SharedGatewayApp(AnswersHere):
             self.demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
         self._keys = self._key_index()
+        # Shares of models no longer served go (their reservations keep what they hold): the dict stays
+        # bounded by the table however many names came and went.
+        self._shares = {name: share for name, share in self._shares.items() if name in table.models}
         self.reap()
         return change
 
@@ -349,14 +356,16 @@ class SharedGatewayApp(AnswersHere):
         return answer_error(conn, self.metrics, "model_not_found")
 
     def _forward(self, conn: ClientConnection, head: RequestHead) -> bool:
-        """Read the whole body against the Pod's budget, find its model, hand it to that model's app."""
+        """Read the whole body against the upload bounds, find its model, hand it to that model's app
+        with a reservation from that model's share of the Pod's held budget."""
         conn.timing.start(head.arrived, produces_tokens(head.method, head.path))
-        reservation = self.budget.reservation()
+        upload = self.uploads.reservation(conn.peer)
+        reservation = None
         try:
             data = b""
             if head.has_body:
                 conn.continue_100(head)
-                data = conn.read_body(self.config.max_body_bytes, reservation)
+                data = conn.read_body(self.config.max_body_bytes, upload)
             if is_multipart(head.content_type):  # audio uploads: routed by their form's model field
                 # A name is at most MAX_MODEL_NAME characters, each at most 4 bytes of UTF-8.
                 model = multipart_model(head.content_type or b"", data, MAX_MODEL_NAME * 4)
@@ -369,15 +378,25 @@ class SharedGatewayApp(AnswersHere):
                 return answer_error(conn, self.metrics, self._refused)  # unknown, or not this key's
             if len(data) > app.config.max_body_bytes:
                 return answer_error(conn, self.metrics, "too_large")
-            return app.dispatch(conn, head, RequestBody(data, reservation))
-        except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted) as exc:
+            reservation = self._share(model).reservation()
+            return app.dispatch(conn, head, RequestBody(data, reservation, upload))
+        except (ClientBodyError, RequestBodyTooLarge, HeldBytesExhausted, UploadRefused) as exc:
             return answer_body_failure(conn, self.metrics, exc, self._retry_429)
         except InvalidMultipart:
             return answer_error(conn, self.metrics, "invalid_multipart")
         except ModelFieldTooLong:
             return answer_error(conn, self.metrics, "model_too_long")
         finally:
-            reservation.release()
+            upload.release()
+            if reservation is not None:
+                reservation.release()
+
+    def _share(self, model: str) -> ModelShare:
+        """``model``'s share of the held budget: one cold model cannot hold all of it."""
+        share = self._shares.get(model)
+        if share is None:
+            share = self._shares[model] = ModelShare(self.budget, self.config.held_bytes_per_model)
+        return share
 
     @staticmethod
     def _model_of(head: RequestHead, data: bytes) -> str | None:

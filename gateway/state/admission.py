@@ -1,12 +1,13 @@
 """Bounded admission: queued (waiting for the backend) + in-flight requests <= max_queue, and the
-request bodies being read or held by waiting requests <= max_held_bytes (maxQueue x 8 MiB bodies
+request bodies held by waiting cold requests <= max_held_bytes (maxQueue x 8 MiB bodies
 would otherwise be a lot of memory for a small gateway Pod). Both bounds are the Pod's
 (``gateway.state.pod``): with several worker processes, their tickets come out of one shared
 semaphore and one byte budget.
 
 A slot is taken only once a request is complete enough to be served (its body received and, when
-cold, inspected): a client that trickles its request holds a :class:`BodyReservation` for the
-bytes it actually sent, never a slot, and so never wakes a model.
+cold, inspected): a client that trickles its request holds only upload bytes
+(``gateway.state.uploads``, bounded per client address), never a slot nor held bytes, and so never
+wakes a model nor refuses a warm request.
 
 A request holds a :class:`Ticket` from admission to its end. The ticket moves
 QUEUED -> IN_FLIGHT (and back to QUEUED if a connect attempt found the backend gone before any
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 from gateway.state.pod import PodState
 
-__all__ = ["AdmissionSlots", "BodyReservation", "Ticket", "TicketState"]
+__all__ = ["AdmissionSlots", "BodyReservation", "HeldBytesBudget", "ModelShare", "Ticket", "TicketState"]
 
 
 class TicketState(enum.Enum):
@@ -69,8 +70,8 @@ class Ticket:
 
 
 class BodyReservation:
-    """One request body's share of the Pod's held-body budget, taken as its bytes arrive (a slow
-    uploader holds only what it sent) and given back exactly once (:meth:`release` is idempotent)."""
+    """One request body's share of the Pod's held-body budget, taken when the complete request is to
+    be held for a cold model and given back exactly once (:meth:`release` is idempotent)."""
 
     __slots__ = ("_slots", "bytes")
 
@@ -130,6 +131,27 @@ class HeldBytesBudget(HeldBytes):
             return False
         self.held_bytes += n
         return True
+
+
+class ModelShare(HeldBytes):
+    """One model's share of a shared gateway's :class:`HeldBytesBudget`: its held bodies count against
+    both its own bound and the Pod's, so one cold model cannot refuse every other model's requests.
+    One event loop only."""
+
+    def __init__(self, budget: HeldBytesBudget, max_bytes: int) -> None:
+        self.budget = budget
+        self.max_bytes = max_bytes
+        self.held_bytes = 0
+
+    def _take_bytes(self, n: int) -> bool:
+        if self.held_bytes + n > self.max_bytes or not self.budget._take_bytes(n):
+            return False
+        self.held_bytes += n
+        return True
+
+    def _give_bytes(self, n: int) -> None:
+        super()._give_bytes(n)
+        self.budget._give_bytes(n)
 
 
 class AdmissionSlots(HeldBytes):

@@ -7,9 +7,9 @@ in-process worker), it holds the limits that are *per Pod, not per worker*:
   ``sem_trywait`` (an atomic decrement that fails at zero), release is ``sem_post``; neither
   needs a lock, neither sleeps, and the count can never go below zero, so the workers together can
   never admit more than ``maxQueue`` requests however their accepts interleave.
-- ``held bytes``: one shared integer under a process-shared lock (bodies being read across several
-  reads, and bodies held by cold requests, touch it), so the held-body budget is one budget for the
-  Pod. Each worker's share is also kept in its row, so a worker that dies has it returned. The same
+- ``held bytes``: one shared integer under a process-shared lock (bodies held by cold requests touch
+  it; bodies still arriving are counted apart, per worker, in ``gateway.state.uploads``), so the
+  held-body budget is one budget for the Pod. Each worker's share is also kept in its row, so a worker that dies has it returned. The same
   lock guards the claim on timing an activation (once per Pod activation, not once per worker; see
   gateway.activation; the claiming worker is recorded, so a dead worker's claim is dropped at once)
   and the time demand was last pushed active (written by the supervisor, read by the workers).
