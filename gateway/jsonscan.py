@@ -79,10 +79,6 @@ _STRING = r'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f
 _NUMBER = r"-?+(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][-+]?+[0-9]++)?+"
 _SCALAR = rf"(?:{_STRING}|{_NUMBER}|true|false|null)"
 _END = r"(?![\]}])"  # after a comma: another item must follow
-# A container of scalars only (or empty) is one token: its brackets cannot mismatch, so the C
-# engine checks it whole (arrays of small objects, the common shape of "messages", take this path).
-_FLAT_ARRAY = rf"\[{_WS}(?:{_SCALAR}{_WS}(?:,{_WS}{_END}|(?=\])))*+\]"
-_FLAT_OBJECT = rf"\{{{_WS}(?:{_STRING}{_WS}:{_WS}{_SCALAR}{_WS}(?:,{_WS}(?=\")|(?=\}})))*+\}}"
 
 
 def _escaped_name(name: str) -> str:
@@ -104,19 +100,42 @@ def _c(pattern: str) -> re.Pattern[bytes]:
     return re.compile(pattern.encode("ascii"))
 
 
-def _by_room(pattern: str) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
-    """``pattern`` with ATOM as scalars only (index 0: no room for a child container) and with
-    flat containers too (index 1)."""
-    return (_c(pattern.replace("ATOM", _SCALAR)),
-            _c(pattern.replace("ATOM", f"(?>{_SCALAR}|{_FLAT_ARRAY}|{_FLAT_OBJECT})")))
+_ATOM_LEVELS = 4  # a value nested this deep at most is one token (the pattern doubles per level)
+
+
+def _atom(levels: int) -> str:
+    """A value whose containers nest at most ``levels`` deep, matched whole by the C engine: its
+    arrays and objects are separate alternatives per level, so no group records a bracket's kind."""
+    value = _SCALAR
+    for _ in range(levels):
+        array = rf"\[{_WS}(?:{value}{_WS}(?:,{_WS}{_END}|(?=\])))*+\]"
+        obj = rf"\{{{_WS}(?:{_STRING}{_WS}:{_WS}{value}{_WS}(?:,{_WS}(?=\")|(?=\}})))*+\}}"
+        value = rf"(?>{_SCALAR}|{array}|{obj})"
+    return value
+
+
+class _ByRoom:
+    """A pattern with ATOM as a value nested at most ``room`` deep (capped at _ATOM_LEVELS): room is
+    what the depth limit leaves below the current container. Compiled on first use."""
+
+    def __init__(self, template: str) -> None:
+        self._template = template
+        self._compiled: list[re.Pattern[bytes] | None] = [None] * (_ATOM_LEVELS + 1)
+
+    def __getitem__(self, room: int) -> re.Pattern[bytes]:
+        levels = min(room, _ATOM_LEVELS)
+        compiled = self._compiled[levels]
+        if compiled is None:
+            compiled = self._compiled[levels] = _c(self._template.replace("ATOM", _atom(levels)))
+        return compiled
 
 
 # Runs: as many items as fit before endpos, each with the comma after it (so the next one must exist).
-_ITEMS = _by_room(rf"(?:ATOM{_WS},{_WS})*+")
-_PAIRS = _by_room(rf"(?:{_STRING}{_WS}:{_WS}ATOM{_WS},{_WS})*+")
-_TOP_PAIRS = _by_room(rf"(?:{_TOP_KEY}ATOM{_WS},{_WS})*+")
+_ITEMS = _ByRoom(rf"(?:ATOM{_WS},{_WS})*+")
+_PAIRS = _ByRoom(rf"(?:{_STRING}{_WS}:{_WS}ATOM{_WS},{_WS})*+")
+_TOP_PAIRS = _ByRoom(rf"(?:{_TOP_KEY}ATOM{_WS},{_WS})*+")
 # The byte after a value must be seen, within endpos: else "1" would pass for a "12" cut at endpos.
-_VALUE = _by_room(rf"ATOM{_WS}(?=[,\]}}])")
+_VALUE = _ByRoom(rf"ATOM{_WS}(?=[,\]}}])")
 _SCALAR_WS = _c(rf"{_SCALAR}{_WS}")  # unbounded: a scalar longer than a slice, one C loop
 _KEY = _c(rf"{_STRING}{_WS}:{_WS}")
 _TOP_KEY_RE = _c(_TOP_KEY)
@@ -243,7 +262,7 @@ class JSONScanner:
     def _value(self, p: int, may_close: bool) -> tuple[int, int]:
         body, stack = self._body, self._stack
         p = self._skip_ws(p)
-        room = len(stack) < self._max_depth
+        room = self._max_depth - len(stack)
         if stack[-1] == _ARRAY:  # items followed by a comma, a slice at a time, in one call
             q = _ITEMS[room].match(body, p, p + _SLICE).end()
             if q > p:
@@ -265,7 +284,7 @@ class JSONScanner:
         body = self._body
         p = self._skip_ws(p)
         top = len(self._stack) == 1
-        pairs = (_TOP_PAIRS if top else _PAIRS)[len(self._stack) < self._max_depth].match(body, p, p + _SLICE)
+        pairs = (_TOP_PAIRS if top else _PAIRS)[self._max_depth - len(self._stack)].match(body, p, p + _SLICE)
         if pairs.end() > p:
             self._note(pairs, top)
             p, may_close = self._skip_ws(pairs.end()), False

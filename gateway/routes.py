@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from urllib.parse import unquote
 
+import gevent
+
 from gateway import cold
 from gateway import metrics as metrics_module
 from gateway.activation import Activation
@@ -60,6 +62,12 @@ log = logging.getLogger("noctaya.gateway")
 
 _SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache"),
                 (b"X-Accel-Buffering", b"no")]
+
+
+def yield_to_loop() -> None:
+    """Between steps of a body's JSON scan: the hub polls sockets and runs other greenlets (the
+    admin port's probes, KEDA's scaler calls, other clients), so one large body cannot hold them."""
+    gevent.sleep(0)
 
 
 class RequestBody:
@@ -408,7 +416,7 @@ class GatewayApp(AnswersHere):
         its JSON is unacceptable; else it takes a slot (if it has none) and holds its body's bytes."""
         conn.timing.cold = True
         try:
-            stream = inspect_cold_body(head, body.data)
+            stream = inspect_cold_body(head, body.data, yield_to_loop)
         except InvalidJSON:
             if ticket is not None:
                 ticket.release()

@@ -34,7 +34,7 @@ from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
 from gateway.modeltable import ModelTable, ModelTableFile, TableChange
 from gateway.policy import MAX_JSON_DEPTH, is_json, route
-from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error
+from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error, yield_to_loop
 from gateway.server import (
     ClientBodyError,
     ClientConnection,
@@ -347,7 +347,7 @@ class SharedGatewayApp(AnswersHere):
         if not data or not is_json(head.content_type, data):
             return ""
         try:
-            facts = inspect_json_body(data, max_depth=MAX_JSON_DEPTH)
+            facts = inspect_json_body(data, max_depth=MAX_JSON_DEPTH, pause=yield_to_loop)
         except InvalidJSON:
             return None
         return facts.model or ""
