@@ -353,6 +353,8 @@ class JSONScanner:
             raise _syntax()
         del stack[depth - count:]
         if stack:
+            if q < self._n and self._body[q] == 0x2C:  # the comma after, in the same call
+                return q + 1, _VALUE_NEXT if stack[-1] == _ARRAY else _KEY_NEXT
             return q, _AFTER_VALUE
         if count < len(closers):  # the top-level object is closed, and more closers follow
             raise InvalidJSON(f"unexpected data after the JSON object at byte {self._nth_closer(p, count)}", "trailing")

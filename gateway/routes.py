@@ -65,9 +65,12 @@ _SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no
 
 
 def yield_to_loop() -> None:
-    """Between steps of a body's JSON scan: the hub polls sockets and runs other greenlets (the
-    admin port's probes, KEDA's scaler calls, other clients), so one large body cannot hold them."""
-    gevent.sleep(0)
+    """Between steps of a body's JSON scan: the hub serves everything else first (sockets, timers,
+    other greenlets: the admin port's probes, KEDA's scaler calls, other clients) and resumes the
+    scan when it is idle. ``gevent.sleep(0)`` was not enough: it queues the scan as a callback that
+    runs on every turn of the loop, so a probe that needs several turns waited behind a step of
+    every scan in flight at each of them (0.6-1.1 s with four 8 MiB bodies)."""
+    gevent.idle()
 
 
 class RequestBody:
