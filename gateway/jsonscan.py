@@ -1,26 +1,36 @@
-"""Validate a JSON request body and pull out the few facts the gateway needs, in bounded memory.
+"""Validate a JSON request body and pull out the few facts the gateway needs, in bounded memory and
+in bounded steps, so that one body cannot hold the gateway's only loop.
 
 ``json.loads`` builds the whole document: 8 MiB of ``[[],[],...]`` becomes ~200 MiB of lists (an
 OOM kill in a small container) and 100,000 nested ``[`` raise RecursionError. This module never
-builds the document. One compiled regular expression (``re`` runs in C, without recursion: its
-backtracking state lives on a heap stack) checks the whole body against the RFC 8259 grammar with
-a nesting limit, and remembers where the top-level ``"stream"`` and ``"model"`` values start.
+builds the document. It used to match the whole body against one regular expression unrolled per
+nesting level, up to three times; that cost ~0.4 µs per container and could not pause: 8 MiB of
+62-deep brackets with a wrong closer at the end held the loop 2.3 s, and probes timed out
+(bench.jsonscan_regex_baseline keeps it, for the bench only).
 
-How the expression works, because ``re`` has no recursion: the pattern is unrolled once per
-nesting level (``max_depth`` levels). Arrays and objects share one pattern per level (two would
-double the size per level); a capture group per level records whether the container holds keyed
-items (``:``) or not (empty), and back-references to it check that every item and the closing
-bracket agree with the opening one. Every repetition is possessive and every alternation atomic,
-so a match never backtracks into what it has consumed: time is linear in the body and the
-engine's stack is O(depth).
+Now: one pass, left to right, by a small state machine (:class:`JSONScanner`) whose tokens are
+compiled expressions run by ``re`` in C, each on at most a slice of the body (``endpos``):
 
-Memory: the engine's state plus, when the top-level ``"model"`` is a short string, that string.
-UTF-8 is validated in fixed-size chunks. Peak allocation stays under ~0.5 MiB for any 8 MiB body.
+- a run of array items or object pairs, each followed by its comma, in one call; an item is any
+  value nested at most _ATOM_LEVELS (4) deep, matched whole (no group per level: arrays and objects
+  are separate alternatives, so the pattern doubles per level and stops at 4);
+- a run of openers (``[``, ``{"key":``) or of closers in one call: Python pushes or checks the
+  whole run on a stack of closer bytes (one byte per open level, at most the depth limit) with a
+  few C calls (the run without its keys and whitespace, translated);
+- top-level keys: groups ``s``/``m`` mark where the last ``"stream"``/``"model"`` value starts.
 
-CPU (``python -m bench.jsonscan_bench``): ~5 ns a byte inside strings, 40-60 ns a byte for dense
-small values (8 MiB of ``[0,0,...]``: ~0.35 s; a 100 KiB chat body: ~0.5 ms). The costliest shape
-is dense deep nesting: each container costs ~0.4 µs (the engine saves the per-level groups at every
-repetition), so 8 MiB of 120-deep ``[[[...]]]`` takes ~1.6 s. Callers bound the body size.
+Python runs once per run, not per byte. step() scans about STEP_BYTES (256 KiB) or STEP_EVENTS runs
+and returns; the callers yield to their loop between steps (``inspect_json_body(pause=...)``).
+UTF-8 is decoded (incrementally, 64 KiB at a time) a step ahead of the grammar.
+
+Cost (``python -m bench.jsonscan_bench``, 2 shared cores): the longest step 4-30 ms (a single token,
+e.g. one 8 MiB string, is one C call of ~25 ms); CPU 3 ns a byte in long strings, 15-60 ns a byte
+for dense small values and deep chains (8 MiB of 62-deep brackets: 0.5 s, was 2.3 s), 9 ns a byte
+for a 94 KiB chat body (0.9 ms). Each byte is matched a bounded number of times: a run that fails on
+an item deeper than 4 levels is matched again, at most once per enclosing level, within a slice.
+The costliest shape is dense items nested 5-7 levels deep (``[[[[[1]]]]],...``): ~4 Python calls
+per item, 300-450 ns a byte (3.7 s for 8 MiB, where the old expression took 1.0 s), but still in
+steps of a few ms. Callers bound the body size.
 
 Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
 
@@ -32,6 +42,8 @@ Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` p
 - Like ``json.loads``: the last of duplicate keys wins; escaped keys count by their decoded text
   (``"str\\u0065am"`` is ``"stream"``); escaped lone surrogates (``"\\ud800"``) and UTF-8-encoded
   surrogates are accepted (``json.loads`` decodes bytes with ``surrogatepass``).
+- The first error from the left is the one reported, except that a run of openers going deeper than
+  the limit is a depth error even where a key follows a ``[`` (``{"a":["a":[...``), as before.
 """
 
 from __future__ import annotations
@@ -149,7 +161,6 @@ _CLOSERS = _c(rf"[\]}}](?:{_WS}[\]}}])*+{_WS}")
 _WS_RE = _c(_WS)
 _STRING_RE = _c(_STRING)
 _NOT_WS = re.compile(rb"[^ \t\n\r]")
-_NON_ASCII = re.compile(rb"[\x80-\xff]")
 _UTF8_PIECE = 64 * 1024
 _OPEN_TO_CLOSE = bytes.maketrans(b"[{", b"]}")
 _WS_BYTES = frozenset(b" \t\n\r")
@@ -236,13 +247,12 @@ class JSONScanner:
 
     def _check_utf8(self, end: int, final: bool = False) -> None:
         start, self._checked = self._checked, max(end, self._checked)
-        first = _NON_ASCII.search(self._body, start, end)  # no copy of ASCII bytes
+        view = memoryview(self._body)
         try:
-            if first is not None:
-                view = memoryview(self._body)
-                # In pieces: the decoded text (up to 4 bytes a character) is never large.
-                for offset in range(first.start(), end, _UTF8_PIECE):
-                    self._utf8.decode(view[offset:min(end, offset + _UTF8_PIECE)], False)
+            # In pieces: the decoded text (up to 4 bytes a character) is never large. Decoding ASCII
+            # runs at memory speed; searching for a non-ASCII byte with ``re`` was 8x slower.
+            for offset in range(start, end, _UTF8_PIECE):
+                self._utf8.decode(view[offset:min(end, offset + _UTF8_PIECE)], False)
             if final:
                 self._utf8.decode(b"", True)
         except UnicodeDecodeError:
