@@ -80,6 +80,10 @@ def test_bytearray_and_memoryview_bodies() -> None:
     assert facts(bytearray(body[2:])).stream
     assert facts(memoryview(body)[2:]).model == "m"  # e.g. a view into a receive buffer
     refused(memoryview(b'{"a":"\xff"}'), "utf8")
+    chains = b'{"a":[[[1]],[[2]],{"k":[3]},3],"b":{"c":[[1]],"d":1},"model":[["m"]],"stream":true}'
+    for view in (bytearray(chains), memoryview(chains)):
+        assert facts(view) == BodyFacts(stream=True, model=None, has_model=True)
+    refused(memoryview(b'{"a":[[[1]}],1]}'))
 
 
 # -- refusals -----------------------------------------------------------------------------------
