@@ -135,7 +135,7 @@ class _ByRoom:
         self._compiled: list[re.Pattern[bytes] | None] = [None] * (_ATOM_LEVELS + 1)
 
     def __getitem__(self, room: int) -> re.Pattern[bytes]:
-        levels = min(room, _ATOM_LEVELS)
+        levels = max(0, min(room, _ATOM_LEVELS))  # room is -1 for a chain's value at the limit
         compiled = self._compiled[levels]
         if compiled is None:
             compiled = self._compiled[levels] = _c(self._template.replace("ATOM", _atom(levels)))
@@ -148,12 +148,12 @@ _PAIRS = _ByRoom(rf"(?:{_STRING}{_WS}:{_WS}ATOM{_WS},{_WS})*+")
 _TOP_PAIRS = _ByRoom(rf"(?:{_TOP_KEY}ATOM{_WS},{_WS})*+")
 # The byte after a value must be seen, within endpos: else "1" would pass for a "12" cut at endpos.
 _VALUE = _ByRoom(rf"ATOM{_WS}(?=[,\]}}])")
-# An item that is a chain: openers ('{' with its key), one value nested at most 1 deep, closers, a
-# comma. The expression cannot tell that the closers match the openers; Python checks each item with
-# three C calls (``[[[[[1]]]]],...`` took four handler calls an item before: 440 ns a byte).
-_CHAIN = (rf"(?P<o>(?:\[{_WS}|\{{{_WS}{_STRING}{_WS}:{_WS}){{1,16}})(?>{_atom(1)}){_WS}"
+# An item that is a chain: openers ('{' with its key), one value nested at most ATOM levels deep,
+# closers, a comma. The expression cannot tell that the closers match the openers; Python checks each
+# item with a few C calls (``[[[[[1]]]]],...`` took four handler calls an item before: 440 ns a byte).
+_CHAIN = (rf"(?P<o>(?:\[{_WS}|\{{{_WS}{_STRING}{_WS}:{_WS}){{1,16}})(?P<a>ATOM){_WS}"
           rf"(?P<c>(?:[\]}}]{_WS}){{1,16}}+),{_WS}")
-_CHAINS = (_c(_CHAIN), _c(rf"{_STRING}{_WS}:{_WS}{_CHAIN}"), _c(_TOP_KEY + _CHAIN))  # array, object, top level
+_CHAINS = (_ByRoom(_CHAIN), _ByRoom(rf"{_STRING}{_WS}:{_WS}{_CHAIN}"), _ByRoom(_TOP_KEY + _CHAIN))  # array, object, top
 _SCALAR_WS = _c(rf"{_SCALAR}{_WS}")  # unbounded: a scalar longer than a slice, one C loop
 _KEY = _c(rf"{_STRING}{_WS}:{_WS}")
 _TOP_KEY_RE = _c(_TOP_KEY)
@@ -169,6 +169,7 @@ _STRING_RE = _c(_STRING)
 _NOT_WS = re.compile(rb"[^ \t\n\r]")
 _UTF8_PIECE = 64 * 1024
 _OPEN_TO_CLOSE = bytes.maketrans(b"[{", b"]}")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _WS_BYTES = frozenset(b" \t\n\r")
 _ARRAY, _OBJECT = 0x5D, 0x7D  # a stack entry: the closer its container expects
 # Parser states: what may come next.
@@ -181,6 +182,16 @@ def _closers_of(openers: bytes) -> bytes:
     """The closers a run of openers expects, outermost first: the run without its keys and
     whitespace, translated."""
     return _STRING_RE.sub(b"", openers).translate(_OPEN_TO_CLOSE, b" \t\n\r:")
+
+
+def _depth(value: bytes) -> int:
+    """How deep a well-formed value of at most _ATOM_LEVELS levels nests (0: a scalar)."""
+    brackets = _STRING_RE.sub(b"", value).translate(None, _NOT_BRACKETS)
+    levels = 0
+    while brackets:
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        levels += 1
+    return levels
 
 
 def _syntax() -> InvalidJSON:
@@ -315,7 +326,8 @@ class JSONScanner:
         """Items (kind 0: of an array; 1: pairs of an object; 2: of the top-level object), each
         followed by its comma, for about a slice: runs of small values and of chains, in turn."""
         body, top, end = self._body, kind == 2, p + _SLICE
-        run, chain = (_ITEMS, _PAIRS, _TOP_PAIRS)[kind][room], _CHAINS[kind]
+        # A chain holds at least one container more than its value: that value gets room - 1 levels.
+        run, chain = (_ITEMS, _PAIRS, _TOP_PAIRS)[kind][room], _CHAINS[kind][room - 1]
         while p < end:
             items = run.match(body, p, end)
             self._note(items, top)
@@ -333,8 +345,10 @@ class JSONScanner:
             if 0x22 in openers:  # '"': keys
                 openers = _STRING_RE.sub(b"", openers)
             expected = openers.translate(_OPEN_TO_CLOSE, b" \t\n\r:")
-            if len(expected) >= room or expected[::-1] != item.group("c").translate(None, b" \t\n\r"):
-                break  # maybe too deep (the value may be a container), or a wrong closer
+            if expected[::-1] != item.group("c").translate(None, b" \t\n\r"):
+                break  # a wrong closer, or the closers of enclosing containers too
+            if len(expected) + max(0, min(room - 1, _ATOM_LEVELS)) > room and len(expected) + _depth(item.group("a")) > room:
+                break  # too deep: the handlers say where
             self._note(item, top)
             p = item.end()
         return p

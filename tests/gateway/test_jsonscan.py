@@ -177,6 +177,28 @@ def test_depth_at_the_limit(max_depth: int) -> None:
     refused(nested(max_depth, b"{}"), "depth", max_depth=max_depth)
 
 
+@pytest.mark.parametrize("max_depth", [1, 2, 3, 5, 6, 7])
+def test_depth_at_the_limit_inside_runs_of_items(max_depth: int) -> None:
+    """Items followed by a comma are matched in runs (small values, chains): the limit holds there."""
+    for inner in (b"1", b"[]", b"[1]", b"[[1]]", b"{}", b'{"k":[1]}'):
+        for depth in range(1, max_depth + 3):
+            item = b"[" * depth + inner + b"]" * depth
+            body = b'{"a":[' + item + b"," + item + b",1]}"
+            assert scan_at(body, max_depth) == oracle_at(body, max_depth), (body, max_depth)
+
+
+def scan_at(body: bytes, max_depth: int) -> str:
+    try:
+        inspect_json_body(body, max_depth=max_depth)
+        return "ok"
+    except InvalidJSON as exc:
+        return exc.kind
+
+
+def oracle_at(body: bytes, max_depth: int) -> str:
+    return "ok" if depth(json.loads(body)) <= max_depth else "depth"
+
+
 def test_default_depth_is_128() -> None:
     facts(nested(128))
     refused(nested(129), "depth")
