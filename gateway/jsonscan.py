@@ -151,7 +151,8 @@ _VALUE = _ByRoom(rf"ATOM{_WS}(?=[,\]}}])")
 # An item that is a chain: openers ('{' with its key), one value nested at most ATOM levels deep,
 # closers, a comma. The expression cannot tell that the closers match the openers; Python checks each
 # item with a few C calls (``[[[[[1]]]]],...`` took four handler calls an item before: 440 ns a byte).
-_CHAIN = (rf"(?P<o>(?:\[{_WS}|\{{{_WS}{_STRING}{_WS}:{_WS}){{1,16}})(?P<a>ATOM){_WS}"
+# (Fewest openers first: the largest value that fits, else "[[[[[1],[1]]]]]" splits as "[[[[[1]" ",".)
+_CHAIN = (rf"(?P<o>(?:\[{_WS}|\{{{_WS}{_STRING}{_WS}:{_WS}){{1,16}}?)(?P<a>ATOM){_WS}"
           rf"(?P<c>(?:[\]}}]{_WS}){{1,16}}+),{_WS}")
 _CHAINS = (_ByRoom(_CHAIN), _ByRoom(rf"{_STRING}{_WS}:{_WS}{_CHAIN}"), _ByRoom(_TOP_KEY + _CHAIN))  # array, object, top
 _SCALAR_WS = _c(rf"{_SCALAR}{_WS}")  # unbounded: a scalar longer than a slice, one C loop
