@@ -13,7 +13,8 @@ compiled expressions run by ``re`` in C, each on at most a slice of the body (``
 
 - a run of array items or object pairs, each followed by its comma, in one call; an item is any
   value nested at most _ATOM_LEVELS (4) deep, matched whole (no group per level: arrays and objects
-  are separate alternatives, so the pattern doubles per level and stops at 4);
+  are separate alternatives, so the pattern doubles per level and stops at 4), or a chain (openers,
+  one such value, closers), whose closers Python checks against its openers with a few C calls;
 - a run of openers (``[``, ``{"key":``) or of closers in one call: Python pushes or checks the
   whole run on a stack of closer bytes (one byte per open level, at most the depth limit) with a
   few C calls (the run without its keys and whitespace, translated);
@@ -23,14 +24,15 @@ Python runs once per run, not per byte. step() scans about STEP_BYTES (256 KiB) 
 and returns; the callers yield to their loop between steps (``inspect_json_body(pause=...)``).
 UTF-8 is decoded (incrementally, 64 KiB at a time) a step ahead of the grammar.
 
-Cost (``python -m bench.jsonscan_bench``, 2 shared cores): the longest step 4-30 ms (a single token,
-e.g. one 8 MiB string, is one C call of ~25 ms); CPU 3 ns a byte in long strings, 15-60 ns a byte
-for dense small values and deep chains (8 MiB of 62-deep brackets: 0.5 s, was 2.3 s), 9 ns a byte
-for a 94 KiB chat body (0.9 ms). Each byte is matched a bounded number of times: a run that fails on
-an item deeper than 4 levels is matched again, at most once per enclosing level, within a slice.
-The costliest shape is dense items nested 5-7 levels deep (``[[[[[1]]]]],...``): ~4 Python calls
-per item, 300-450 ns a byte (3.7 s for 8 MiB, where the old expression took 1.0 s), but still in
-steps of a few ms. Callers bound the body size.
+Cost (``python -m bench.jsonscan_bench``, 2 shared cores; docs/benchmarks.md): a step takes at most
+~40 ms of CPU (a single token, e.g. one 8 MiB string, is one C call of ~25 ms); CPU 3 ns a byte in
+long strings, 10-135 ns a byte for dense small values, chains and deep nesting (8 MiB of 62-deep
+brackets with a wrong closer: 0.94 s, was 2.2 s in one block), 11 ns a byte for a 94 KiB chat body.
+Each byte is matched a bounded number of times: a run that fails on an item is matched again by the
+handlers, within a slice (_SLICE), and a chain tries at most 16 splits. The costliest shape is dense
+items that branch where neither a small value nor a chain covers them (``[[1],[[[[[1]]]]]],...``):
+4-5 Python calls per item, ~1 µs a byte (8.2 s for 8 MiB, where the old expression took 0.9 s), but
+in steps of ~10 ms. Callers bound the body size.
 
 Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
 
