@@ -31,7 +31,7 @@ brackets with a wrong closer: 0.94 s, was 2.2 s in one block), 11 ns a byte for 
 Each byte is matched a bounded number of times: a run that fails on an item is matched again by the
 handlers, within a slice (_SLICE), and a chain tries at most 16 splits. The costliest shape is dense
 items that branch where neither a small value nor a chain covers them (``[[1],[[[[[1]]]]]],...``):
-4-5 Python calls per item, ~1 µs a byte (8.2 s for 8 MiB, where the old expression took 0.9 s), but
+4-5 Python calls per item, ~0.9-1 µs a byte (7.3-8.2 s for 8 MiB; the old expression took 0.9 s), but
 in steps of ~10 ms. Callers bound the body size.
 
 Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
@@ -294,7 +294,9 @@ class JSONScanner:
         p = self._skip_ws(p)
         room = self._max_depth - len(stack)
         if stack[-1] == _ARRAY:
-            q = self._items(p, room, 0)
+            q, ended = self._items(p, room, 0)
+            if ended:
+                return q, _AFTER_VALUE
             if q > p:
                 p, may_close = q, False
         token = _VALUE[room].match(body, p, p + _SLICE)
@@ -314,7 +316,9 @@ class JSONScanner:
         body = self._body
         p = self._skip_ws(p)
         top = len(self._stack) == 1
-        q = self._items(p, self._max_depth - len(self._stack), 2 if top else 1)
+        q, ended = self._items(p, self._max_depth - len(self._stack), 2 if top else 1)
+        if ended:
+            return q, _AFTER_VALUE
         if q > p:
             p, may_close = q, False
         key = (_TOP_KEY_RE if top else _KEY).match(body, p)
@@ -325,36 +329,43 @@ class JSONScanner:
             return self._close(p)
         raise _syntax()
 
-    def _items(self, p: int, room: int, kind: int) -> int:
+    def _items(self, p: int, room: int, kind: int) -> tuple[int, bool]:
         """Items (kind 0: of an array; 1: pairs of an object; 2: of the top-level object), each
-        followed by its comma, for about a slice: runs of small values and of chains, in turn."""
+        followed by its comma, for about a slice: runs of small values and of chains, in turn.
+        True with the position after a value when the last chain's closers go on to close
+        enclosing containers (the handlers check those)."""
         body, top, end = self._body, kind == 2, p + _SLICE
         # A chain holds at least one container more than its value: that value gets room - 1 levels.
         run, chain = (_ITEMS, _PAIRS, _TOP_PAIRS)[kind][room], _CHAINS[kind][room - 1]
         while p < end:
             items = run.match(body, p, end)
             self._note(items, top)
-            q = self._chains(chain, self._skip_ws(items.end()), end, room, top)
+            q, ended = self._chains(chain, self._skip_ws(items.end()), end, room, top)
+            if ended:
+                return q, True
             if q == p:
                 break
             p = self._skip_ws(q)
-        return p
+        return p, False
 
-    def _chains(self, chain: re.Pattern[bytes], p: int, end: int, room: int, top: bool) -> int:
+    def _chains(self, chain: re.Pattern[bytes], p: int, end: int, room: int, top: bool) -> tuple[int, bool]:
         """Chain items while they are well formed; the handlers decide about any other."""
         body = self._body
         while (item := chain.match(body, p, end)) is not None:
             openers = item.group("o")
             if 0x22 in openers:  # '"': keys
                 openers = _STRING_RE.sub(b"", openers)
-            expected = openers.translate(_OPEN_TO_CLOSE, b" \t\n\r:")
-            if expected[::-1] != item.group("c").translate(None, b" \t\n\r"):
-                break  # a wrong closer, or the closers of enclosing containers too
+            expected = openers.translate(_OPEN_TO_CLOSE, b" \t\n\r:")[::-1]
+            closers = item.group("c").translate(None, b" \t\n\r")
+            if closers[:len(expected)] != expected:
+                break  # a wrong closer
             if len(expected) + max(0, min(room - 1, _ATOM_LEVELS)) > room and len(expected) + _depth(item.group("a")) > room:
                 break  # too deep: the handlers say where
             self._note(item, top)
+            if len(closers) > len(expected):  # the value ends inside the run of closers
+                return self._nth_closer(item.start("c"), len(expected) - 1) + 1, True
             p = item.end()
-        return p
+        return p, False
 
     def _note(self, match: re.Match[bytes], top: bool) -> None:
         """The last top-level "stream" and "model" values of a run (later runs come later)."""
