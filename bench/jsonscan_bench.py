@@ -1,6 +1,8 @@
-"""``python -m bench.jsonscan_bench [--json-loads]``: CPU time and peak allocation of
-gateway.jsonscan.inspect_json_body on a typical chat body and on 8 MiB hostile bodies
-(``--json-loads`` also measures json.loads on the same bodies, for comparison)."""
+"""``python -m bench.jsonscan_bench [--json-loads] [--quick]``: CPU per byte of
+gateway.jsonscan.inspect_json_body on a typical chat body and on 8 MiB hostile bodies, beside the
+regular-expression check it replaced (bench.jsonscan_regex_baseline, measured in the same run); the
+longest a loop is blocked between two yields (JSONScanner.step); peak allocation. ``--json-loads``
+adds json.loads's CPU; ``--quick`` skips the baseline (seconds per body)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
-from gateway.jsonscan import InvalidJSON, inspect_json_body
+from bench import jsonscan_regex_baseline as baseline
+from gateway.jsonscan import InvalidJSON, JSONScanner, inspect_json_body
 
 MIB = 1 << 20
 
@@ -23,11 +26,20 @@ def bodies() -> dict[str, bytes]:
     message = {"role": "user", "content": "Summarise this. " * 400}
     chat = json.dumps({"model": "llama", "stream": True, "temperature": 0.2,
                        "messages": [message] * 15}).encode()
-    chain = b"[" * 120 + b"]" * 120
+    chain62 = b"[" * 61 + b"]" * 61
+    chain120 = b"[" * 119 + b"]" * 119
     return {
         f"chat body ({len(chat) // 1024} KiB)": chat,
+        "62-deep chains, wrong closer at end": _fill(b'{"a":[', chain62 + b",", chain62 + b"}}"),
+        "120-deep chains (depth 128)": _fill(b'{"a":[', chain120 + b",", chain120 + b"]}"),
         "[0,0,...]": _fill(b'{"a":[', b"0,", b"0]}"),
         "[[],[],...]": _fill(b'{"a":[', b"[],", b"[]]}"),
+        "[[1],[1],...] (2 levels)": _fill(b'{"a":[', b"[[1]],", b"1]}"),
+        "[[[1]]],... (3 levels)": _fill(b'{"a":[', b"[[[1]]],", b"1]}"),
+        "[[[[[1]]]]],... (5 levels)": _fill(b'{"a":[', b"[[[[[1]]]]],", b"1]}"),
+        '[{"a":[{"a":[1]}]}],... (5 levels)': _fill(b'{"a":[', b'[{"a":[{"a":[1]}]}],', b"1]}"),
+        "[[[[[1],[1]]]]],... (6 levels, branched)": _fill(b'{"a":[', b"[[[[[1],[1]]]]],", b"1]}"),
+        "[[1],[[[[[1]]]]]],... (7 levels, branched)": _fill(b'{"a":[', b"[[1],[[[[[1]]]]]],", b"1]}"),
         '{"k":"v",...} (top level)': _fill(b"{", b'"k":"v",', b'"k":"v"}'),
         '[{"a":1},...]': _fill(b'{"a":[', b'{"a":1},', b"1]}"),
         '"stream" keys nested': _fill(b'{"a":[', b'{"stream":true},', b"1],\"stream\":true}"),
@@ -35,7 +47,6 @@ def bodies() -> dict[str, bytes]:
         "one 8 MiB non-ASCII string": _fill(b'{"a":"', "\u00e9\U0001f600".encode(), b'"}'),
         '"stream":true repeated (top level)': _fill(b"{", b'"stream":true,', b'"stream":false}'),
         "[-1.5e+10,...]": _fill(b'{"a":[', b"-1.5e+10,", b"1]}"),
-        "120-deep chains": _fill(b'{"a":[', chain + b",", chain + b"]}"),
         "100,000 x [ (refused)": b'{"a":' + b"[" * 100_000,
         "bad byte at the end (refused)": _fill(b'{"a":[', b"0,", b"0]x"),
     }
@@ -46,35 +57,59 @@ def run(fn: Callable[[], object]) -> str:
         fn()
         return "ok"
     except (ValueError, RecursionError) as exc:
-        return f"{type(exc).__name__}" + (f" ({exc.kind})" if isinstance(exc, InvalidJSON) else "")
+        return f"{type(exc).__name__}" + (f" ({exc.kind})" if isinstance(exc, InvalidJSON | baseline.InvalidJSON) else "")
 
 
-def measure(fn: Callable[[], object]) -> tuple[float, int, str]:
-    """CPU time (best of 3, without tracemalloc, which slows allocation) and peak allocation."""
-    elapsed = float("inf")
-    for _ in range(3):
+def cpu(fn: Callable[[], object], repeat: int) -> float:
+    """CPU seconds, best of ``repeat`` (without tracemalloc, which slows allocation)."""
+    best = float("inf")
+    for _ in range(repeat):
         start = time.process_time()
-        outcome = run(fn)
-        elapsed = min(elapsed, time.process_time() - start)
+        run(fn)
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def longest_step(body: bytes) -> tuple[float, int]:
+    """The longest step (CPU seconds of this thread: what a loop waits between two yields when the
+    host is not oversubscribed) and the step count."""
+    longest, steps = 0.0, 0
+    try:
+        scanner = JSONScanner(body, max_depth=128)
+        done = False
+        while not done:
+            started = time.thread_time()
+            done = scanner.step()
+            longest = max(longest, time.thread_time() - started)
+            steps += 1
+    except InvalidJSON:
+        pass
+    return longest, steps
+
+
+def peak(fn: Callable[[], object]) -> int:
     tracemalloc.start()
     run(fn)
-    peak = tracemalloc.get_traced_memory()[1]
+    top = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return elapsed, peak, outcome
+    return top
 
 
 def main() -> int:
-    with_loads = "--json-loads" in sys.argv
-    print(f"{'body':34} {'size':>9} {'cpu':>9} {'peak':>10}  outcome" + ("   json.loads peak" if with_loads else ""))
+    with_loads, quick = "--json-loads" in sys.argv, "--quick" in sys.argv
+    print(f"{'body':36} {'size':>9} {'scan':>9} {'ns/B':>6} {'regex':>9} {'ns/B':>6} {'step':>8} {'steps':>5} "
+          f"{'peak':>9}  outcome" + ("   json.loads" if with_loads else ""), flush=True)
     for name, body in bodies().items():
-        elapsed, peak, outcome = measure(lambda body=body: inspect_json_body(body))
-        line = f"{name:34} {len(body):>9} {elapsed * 1000:>7.1f}ms {peak / 1024:>8.1f}KiB  {outcome}"
+        size = len(body)
+        new = cpu(lambda body=body: inspect_json_body(body), 3)
+        old = float("nan") if quick else cpu(lambda body=body: baseline.inspect_json_body(body), 1)
+        block, steps = longest_step(body)
+        outcome = run(lambda body=body: inspect_json_body(body))
+        line = (f"{name:36} {size:>9} {new * 1000:>7.1f}ms {new * 1e9 / size:>6.0f} {old * 1000:>7.0f}ms "
+                f"{old * 1e9 / size:>6.0f} {block * 1000:>6.1f}ms {steps:>5} "
+                f"{peak(lambda body=body: inspect_json_body(body)) / 1024:>6.0f}KiB  {outcome}")
         if with_loads:
-            tracemalloc.start()
-            loads_outcome = run(lambda body=body: json.loads(body))
-            loads_peak = tracemalloc.get_traced_memory()[1]
-            tracemalloc.stop()
-            line += f"   {loads_peak / MIB:.1f} MiB ({loads_outcome})"
+            line += f"   {cpu(lambda body=body: json.loads(body), 1) * 1000:.0f}ms"
         print(line, flush=True)
     return 0
 

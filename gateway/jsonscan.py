@@ -1,26 +1,38 @@
-"""Validate a JSON request body and pull out the few facts the gateway needs, in bounded memory.
+"""Validate a JSON request body and pull out the few facts the gateway needs, in bounded memory and
+in bounded steps, so that one body cannot hold the gateway's only loop.
 
 ``json.loads`` builds the whole document: 8 MiB of ``[[],[],...]`` becomes ~200 MiB of lists (an
 OOM kill in a small container) and 100,000 nested ``[`` raise RecursionError. This module never
-builds the document. One compiled regular expression (``re`` runs in C, without recursion: its
-backtracking state lives on a heap stack) checks the whole body against the RFC 8259 grammar with
-a nesting limit, and remembers where the top-level ``"stream"`` and ``"model"`` values start.
+builds the document. It used to match the whole body against one regular expression unrolled per
+nesting level, up to three times; that cost ~0.4 µs per container and could not pause: 8 MiB of
+62-deep brackets with a wrong closer at the end held the loop 2.3 s, and probes timed out
+(bench.jsonscan_regex_baseline keeps it, for the bench only).
 
-How the expression works, because ``re`` has no recursion: the pattern is unrolled once per
-nesting level (``max_depth`` levels). Arrays and objects share one pattern per level (two would
-double the size per level); a capture group per level records whether the container holds keyed
-items (``:``) or not (empty), and back-references to it check that every item and the closing
-bracket agree with the opening one. Every repetition is possessive and every alternation atomic,
-so a match never backtracks into what it has consumed: time is linear in the body and the
-engine's stack is O(depth).
+Now: one pass, left to right, by a small state machine (:class:`JSONScanner`) whose tokens are
+compiled expressions run by ``re`` in C, each on at most a slice of the body (``endpos``):
 
-Memory: the engine's state plus, when the top-level ``"model"`` is a short string, that string.
-UTF-8 is validated in fixed-size chunks. Peak allocation stays under ~0.5 MiB for any 8 MiB body.
+- a run of array items or object pairs, each followed by its comma, in one call; an item is any
+  value nested at most _ATOM_LEVELS (4) deep, matched whole (no group per level: arrays and objects
+  are separate alternatives, so the pattern doubles per level and stops at 4), or a chain (openers,
+  one such value, closers), whose closers Python checks against its openers with a few C calls;
+- a run of openers (``[``, ``{"key":``) or of closers in one call: Python pushes or checks the
+  whole run on a stack of closer bytes (one byte per open level, at most the depth limit) with a
+  few C calls (the run without its keys and whitespace, translated);
+- top-level keys: groups ``s``/``m`` mark where the last ``"stream"``/``"model"`` value starts.
 
-CPU (``python -m bench.jsonscan_bench``): ~5 ns a byte inside strings, 40-60 ns a byte for dense
-small values (8 MiB of ``[0,0,...]``: ~0.35 s; a 100 KiB chat body: ~0.5 ms). The costliest shape
-is dense deep nesting: each container costs ~0.4 µs (the engine saves the per-level groups at every
-repetition), so 8 MiB of 120-deep ``[[[...]]]`` takes ~1.6 s. Callers bound the body size.
+Python runs once per run, not per byte. step() scans about STEP_BYTES (256 KiB) or STEP_EVENTS runs
+and returns; the callers yield to their loop between steps (``inspect_json_body(pause=...)``).
+UTF-8 is decoded (incrementally, 64 KiB at a time) a step ahead of the grammar.
+
+Cost (``python -m bench.jsonscan_bench``, 2 shared cores; docs/benchmarks.md): a step takes at most
+~40 ms of CPU (a single token, e.g. one 8 MiB string, is one C call of ~25 ms); CPU 3 ns a byte in
+long strings, 10-135 ns a byte for dense small values, chains and deep nesting (8 MiB of 62-deep
+brackets with a wrong closer: 0.94 s, was 2.2 s in one block), 11 ns a byte for a 94 KiB chat body.
+Each byte is matched a bounded number of times: a run that fails on an item is matched again by the
+handlers, within a slice (_SLICE), and a chain tries at most 16 splits. The costliest shape is dense
+items that branch where neither a small value nor a chain covers them (``[[1],[[[[[1]]]]]],...``):
+4-5 Python calls per item, ~0.9-1 µs a byte (7.3-8.2 s for 8 MiB; the old expression took 0.9 s), but
+in steps of ~10 ms. Callers bound the body size.
 
 Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
 
@@ -32,24 +44,28 @@ Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` p
 - Like ``json.loads``: the last of duplicate keys wins; escaped keys count by their decoded text
   (``"str\\u0065am"`` is ``"stream"``); escaped lone surrogates (``"\\ud800"``) and UTF-8-encoded
   surrogates are accepted (``json.loads`` decodes bytes with ``surrogatepass``).
+- The first error from the left is the one reported, except that a run of openers going deeper than
+  the limit is a depth error even where a key follows a ``[`` (``{"a":["a":[...``), as before.
 """
 
 from __future__ import annotations
 
 import codecs
-import functools
 import re
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from json.decoder import scanstring
 
-__all__ = ["BodyFacts", "InvalidJSON", "inspect_json_body", "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_MODEL_CHARS"]
+__all__ = ["BodyFacts", "InvalidJSON", "JSONScanner", "inspect_json_body", "DEFAULT_MAX_DEPTH",
+           "DEFAULT_MAX_MODEL_CHARS", "STEP_BYTES"]
 
 DEFAULT_MAX_DEPTH = 128
 DEFAULT_MAX_MODEL_CHARS = 256
-_MAX_SUPPORTED_DEPTH = 512  # the expression grows linearly with the depth; far beyond any real body
+_MAX_SUPPORTED_DEPTH = 512
 
-_UTF8_CHUNK = 64 * 1024
+STEP_BYTES = 256 * 1024  # the bytes one step() scans before the caller may yield to its loop
+STEP_EVENTS = 2000  # ... or the handler calls one step() makes (a few ms at most)
+_SLICE = 64 * 1024  # how far one bounded run of items may look ahead (endpos): bounds each C call
 
 
 class InvalidJSON(ValueError):
@@ -70,18 +86,13 @@ class BodyFacts:
     has_model: bool  # a top-level "model" key exists, whatever its value
 
 
-# -- the grammar, as bytes patterns (str here, encoded once when compiled) ----------------------
+# -- tokens, as bytes patterns (str here, encoded when compiled) ----------------------------------
 
 _WS = r"[ \t\n\r]*+"
 _STRING = r'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*+)*+"'
 _NUMBER = r"-?+(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][-+]?+[0-9]++)?+"
 _SCALAR = rf"(?:{_STRING}|{_NUMBER}|true|false|null)"
 _END = r"(?![\]}])"  # after a comma: another item must follow
-# Containers of scalars only, checked without the per-level group (cheaper: long arrays of small
-# objects, the common shape of "messages", take this path).
-# (Each item is scanned once: the separator that follows it is part of its iteration.)
-_FLAT_ARRAY = rf"\[{_WS}(?:{_SCALAR}{_WS}(?:,{_WS}{_END}|(?=\])))*+\]"
-_FLAT_OBJECT = rf"\{{{_WS}(?:{_STRING}{_WS}:{_WS}{_SCALAR}{_WS}(?:,{_WS}(?=\")|(?=\}})))*+\}}"
 
 
 def _escaped_name(name: str) -> str:
@@ -94,133 +105,353 @@ def _escaped_name(name: str) -> str:
     return '"' + "".join(parts) + '"'
 
 
-_KEY_STREAM = _escaped_name("stream")
-_KEY_MODEL = _escaped_name("model")
+# A top-level key; the groups ``s``/``m`` mark where a "stream"/"model" value starts.
+_TOP_KEY = (rf"(?>{_escaped_name('stream')}{_WS}:{_WS}(?P<s>)|{_escaped_name('model')}{_WS}:{_WS}(?P<m>)"
+            rf"|{_STRING}{_WS}:{_WS})")
 
 
-def _value_pattern(depth: int) -> str:
-    """One JSON value whose containers nest at most ``depth`` deep (0: scalars only)."""
+def _c(pattern: str) -> re.Pattern[bytes]:
+    return re.compile(pattern.encode("ascii"))
+
+
+_ATOM_LEVELS = 4  # a value nested this deep at most is one token (the pattern doubles per level)
+
+
+def _atom(levels: int) -> str:
+    """A value whose containers nest at most ``levels`` deep, matched whole by the C engine: its
+    arrays and objects are separate alternatives per level, so no group records a bracket's kind."""
     value = _SCALAR
-    for level in range(1, depth + 1):
-        keyed = f"k{level}"  # ':' when this level's container holds keyed items, '' when it doesn't
-        is_array = f"(?=(?P={keyed}))"  # empty group: always true; ':' : only before a ':'
-        is_object = f"(?!(?P={keyed}))"  # used only where the next byte is a bracket, never a ':'
-        # A key, or none; then the group: ':' in an object (a key without its ':' fails, and
-        # so does a ':' without its key), nothing in an array.
-        item = (rf"(?>{_STRING}{_WS}(?=:)|(?!:))(?P={keyed}){_WS}{value}"
-                rf"{_WS}(?:,{_WS}{_END}|(?=[\]}}]))")
-        flat = rf"|{_FLAT_ARRAY}|{_FLAT_OBJECT}" if level > 1 else rf"|\[{_WS}\]|\{{{_WS}\}}"  # empty only
-        value = (rf"(?>{_SCALAR}{flat}"
-                 # the first item decides: keyed (object) or not (array)
-                 rf"|(?=[\[{{]{_WS}(?>{_STRING}{_WS}(?=:)|)(?P<{keyed}>:?+))"
-                 rf"(?:{is_array}\[|{is_object}\{{){_WS}(?:{item})*+"
-                 rf"(?:{is_array}\]|{is_object}\}}))")
+    for _ in range(levels):
+        array = rf"\[{_WS}(?:{value}{_WS}(?:,{_WS}{_END}|(?=\])))*+\]"
+        obj = rf"\{{{_WS}(?:{_STRING}{_WS}:{_WS}{value}{_WS}(?:,{_WS}(?=\")|(?=\}})))*+\}}"
+        value = rf"(?>{_SCALAR}|{array}|{obj})"
     return value
 
 
-def _depth_probe_pattern(depth: int) -> str:
-    """Looser grammar (any closer, keys optional) that stops, with the ``deep`` group set, at the
-    first container nested deeper than ``depth``: tells a depth error from a syntax error after
-    the exact pattern failed. One group only, so it stays cheap however deep the body goes."""
-    value = rf"(?:{_SCALAR}|(?=[\[{{])(?P<deep>))"
-    for _ in range(depth):
-        # (?(1)...): "deep" is group 1, referred to by number (a name must be defined before use)
-        item = (rf"(?(1)(?!)|(?:{_STRING}{_WS}:{_WS})?+{value}"
-                rf"(?(1)|{_WS}(?:,{_WS}{_END}|(?=[\]}}]))))")
-        value = rf"(?>{_SCALAR}|[\[{{]{_WS}(?:{item})*+(?(1)|[\]}}]))"
-    return value
+class _ByRoom:
+    """A pattern with ATOM as a value nested at most ``room`` deep (capped at _ATOM_LEVELS): room is
+    what the depth limit leaves below the current container. Compiled on first use."""
+
+    def __init__(self, template: str) -> None:
+        self._template = template
+        self._compiled: list[re.Pattern[bytes] | None] = [None] * (_ATOM_LEVELS + 1)
+
+    def __getitem__(self, room: int) -> re.Pattern[bytes]:
+        levels = max(0, min(room, _ATOM_LEVELS))  # room is -1 for a chain's value at the limit
+        compiled = self._compiled[levels]
+        if compiled is None:
+            compiled = self._compiled[levels] = _c(self._template.replace("ATOM", _atom(levels)))
+        return compiled
 
 
-def _compile(pattern: str) -> re.Pattern[bytes]:
-    # The parser of ``re`` recurses once per nested group: a few thousand frames at depth 128.
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 20 * 1000))
-    try:
-        return re.compile(pattern.encode("ascii"))
-    finally:
-        sys.setrecursionlimit(old)
-
-
-@functools.lru_cache(maxsize=4)
-def _body_pattern(max_depth: int) -> re.Pattern[bytes]:
-    """The whole body: an object whose values nest at most max_depth - 1 deeper. The groups
-    ``s``/``m`` mark where the last top-level "stream"/"model" value starts."""
-    value = _value_pattern(max_depth - 1)
-    key = (rf"(?>{_KEY_STREAM}{_WS}:{_WS}(?P<s>)|{_KEY_MODEL}{_WS}:{_WS}(?P<m>)"
-           rf"|{_STRING}{_WS}:{_WS})")
-    pair = rf"{key}{value}{_WS}(?:,{_WS}(?!\}})|(?=\}}))"
-    return _compile(rf"{_WS}\{{{_WS}(?:{pair})*+\}}{_WS}")
-
-
-@functools.lru_cache(maxsize=4)
-def _probe_pattern(max_depth: int) -> re.Pattern[bytes]:
-    return _compile(rf"{_WS}{_depth_probe_pattern(max_depth)}")
-
-
+# Runs: as many items as fit before endpos, each with the comma after it (so the next one must exist).
+_ITEMS = _ByRoom(rf"(?:ATOM{_WS},{_WS})*+")
+_PAIRS = _ByRoom(rf"(?:{_STRING}{_WS}:{_WS}ATOM{_WS},{_WS})*+")
+_TOP_PAIRS = _ByRoom(rf"(?:{_TOP_KEY}ATOM{_WS},{_WS})*+")
+# The byte after a value must be seen, within endpos: else "1" would pass for a "12" cut at endpos.
+_VALUE = _ByRoom(rf"ATOM{_WS}(?=[,\]}}])")
+# An item that is a chain: openers ('{' with its key), one value nested at most ATOM levels deep,
+# closers, a comma. The expression cannot tell that the closers match the openers; Python checks each
+# item with a few C calls (``[[[[[1]]]]],...`` took four handler calls an item before: 440 ns a byte).
+# (Fewest openers first: the largest value that fits, else "[[[[[1],[1]]]]]" splits as "[[[[[1]" ",".)
+_CHAIN = (rf"(?P<o>(?:\[{_WS}|\{{{_WS}{_STRING}{_WS}:{_WS}){{1,16}}?)(?P<a>ATOM){_WS}"
+          rf"(?P<c>(?:[\]}}]{_WS}){{1,16}}+),{_WS}")
+_CHAINS = (_ByRoom(_CHAIN), _ByRoom(rf"{_STRING}{_WS}:{_WS}{_CHAIN}"), _ByRoom(_TOP_KEY + _CHAIN))  # array, object, top
+_SCALAR_WS = _c(rf"{_SCALAR}{_WS}")  # unbounded: a scalar longer than a slice, one C loop
+_KEY = _c(rf"{_STRING}{_WS}:{_WS}")
+_TOP_KEY_RE = _c(_TOP_KEY)
+# Openers in a row ('{' with its first key), and closers in a row: Python handles each run at once.
+_OPENERS = _c(rf"(?:\[{_WS}|\{{{_WS}{_STRING}{_WS}:{_WS})*+(?:\{{{_WS})?+")
+# Looser, as a depth error is told from a syntax error: a key after '[' too (``{"a":["a":[...``
+# 100,000 deep is a depth error, as it was when a looser grammar diagnosed a failed match).
+_LOOSE_OPENERS = _c(rf"(?:[\[{{]{_WS}(?:{_STRING}{_WS}:{_WS})?+)*+")
+_ONE_OPENER = _c(rf"[\[{{]{_WS}(?:{_STRING}{_WS}:{_WS})?+")
+_CLOSERS = _c(rf"[\]}}](?:{_WS}[\]}}])*+{_WS}")
+_WS_RE = _c(_WS)
+_STRING_RE = _c(_STRING)
 _NOT_WS = re.compile(rb"[^ \t\n\r]")
-_NON_ASCII = re.compile(rb"[\x80-\xff]")
-_STRING_RE = re.compile(_STRING.encode("ascii"))
+_UTF8_PIECE = 64 * 1024
+_OPEN_TO_CLOSE = bytes.maketrans(b"[{", b"]}")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_WS_BYTES = frozenset(b" \t\n\r")
+_ARRAY, _OBJECT = 0x5D, 0x7D  # a stack entry: the closer its container expects
+# Parser states: what may come next.
+_VALUE_NEXT, _VALUE_OR_CLOSE, _KEY_NEXT, _KEY_OR_CLOSE, _AFTER_VALUE, _DONE = range(6)
 
-# Compiled on first use, not at import: an always-on gateway that never sees a cold JSON body
-# never pays for it. The compiled expression costs about 90 KiB of memory per level of depth
-# (5.7 MiB at 64, 11 MiB at 128) and about 2 ms per level to compile, once per process. So a body
-# is matched first against a shallow expression (real request bodies, tool schemas included, nest
-# far less): compiled in ~15 ms, it keeps a worker's first cold request from waiting ~110 ms for the
-# full one. The full depth is compiled only for a body with more brackets than the shallow limit
-# that the shallow expression refused: a deep body, or an invalid one.
-_FIRST_DEPTH = 12
+Body = bytes | bytearray | memoryview
 
 
-def _may_nest_deeper(body: bytes | bytearray | memoryview) -> bool:
-    return isinstance(body, memoryview) or body.count(b"[") + body.count(b"{") > _FIRST_DEPTH
+def _closers_of(openers: bytes) -> bytes:
+    """The closers a run of openers expects, outermost first: the run without its keys and
+    whitespace, translated."""
+    return _STRING_RE.sub(b"", openers).translate(_OPEN_TO_CLOSE, b" \t\n\r:")
 
 
-def _check_utf8(body: bytes | bytearray | memoryview) -> None:
-    if not isinstance(body, memoryview) and body.isascii():
-        return
-    first = _NON_ASCII.search(body)
-    if first is None:
-        return
-    # Chunked, so the decoded text never exists whole (a str can take 4 bytes per character).
-    decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
-    view = memoryview(body)
-    start = first.start()
-    try:
-        for offset in range(start, len(view), _UTF8_CHUNK):
-            decoder.decode(view[offset:offset + _UTF8_CHUNK], False)
-        decoder.decode(b"", True)
-    except UnicodeDecodeError:
-        raise InvalidJSON("body is not valid UTF-8", "utf8") from None
+def _depth(value: bytes) -> int:
+    """How deep a well-formed value of at most _ATOM_LEVELS levels nests (0: a scalar)."""
+    brackets = _STRING_RE.sub(b"", value).translate(None, _NOT_BRACKETS)
+    levels = 0
+    while brackets:
+        brackets = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        levels += 1
+    return levels
 
 
-def inspect_json_body(body: bytes | bytearray | memoryview, *, max_depth: int = DEFAULT_MAX_DEPTH,
-                      max_model_chars: int = DEFAULT_MAX_MODEL_CHARS) -> BodyFacts:
+def _syntax() -> InvalidJSON:
+    return InvalidJSON("body is not valid JSON")
+
+
+class JSONScanner:
+    """One pass over ``body`` in steps of about STEP_BYTES: ``while not scanner.step(): <yield>``,
+    then ``scanner.facts()``. step() raises InvalidJSON. Holds the body (callers have it whole), a
+    stack of at most max_depth bytes and an incremental UTF-8 decoder; nothing else grows."""
+
+    def __init__(self, body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
+                 max_model_chars: int = DEFAULT_MAX_MODEL_CHARS) -> None:
+        if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
+            raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
+        if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
+            body = body.cast("B")
+        self._body, self._n = body, len(body)
+        self._max_depth, self._max_model_chars = max_depth, max_model_chars
+        self._stack = bytearray()  # the closer each open container expects, innermost last
+        self._state = _KEY_OR_CLOSE
+        self._stream_at = self._model_at = -1
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+        self._checked = 0  # UTF-8 is checked up to here
+        self._handlers: tuple[Callable[[int], tuple[int, int]], ...] = (
+            lambda p: self._value(p, False), lambda p: self._value(p, True),
+            lambda p: self._key(p, False), lambda p: self._key(p, True), self._after_value)
+        self._pos = self._open_top_level()
+
+    def _open_top_level(self) -> int:
+        first = _NOT_WS.search(self._body)
+        if first is None:
+            raise InvalidJSON("empty body", "empty")
+        if self._body[first.start()] != 0x7B:  # '{'
+            raise InvalidJSON("body must be a JSON object", "not_object")
+        self._stack.append(_OBJECT)
+        return _WS_RE.match(self._body, first.start() + 1).end()
+
+    def step(self) -> bool:
+        """Scan about STEP_BYTES more; True once the whole body is checked."""
+        n = self._n
+        self._check_utf8(min(n, self._checked + STEP_BYTES))
+        p, state, handlers = self._pos, self._state, self._handlers
+        limit, events = p + STEP_BYTES, STEP_EVENTS
+        # Every handler consumes bytes or raises. A step ends after STEP_BYTES or STEP_EVENTS
+        # handler calls, whichever comes first: the bytes bound long runs, the count bounds bodies
+        # dense in small nested items (~1 µs of Python each).
+        while state != _DONE and p < limit and events:
+            p, state = handlers[state](p)
+            events -= 1
+        self._pos, self._state = p, state
+        if state != _DONE:
+            return False
+        self._check_utf8(n, final=True)
+        end = _WS_RE.match(self._body, p).end()
+        if end != n:
+            raise InvalidJSON(f"unexpected data after the JSON object at byte {end}", "trailing")
+        return True
+
+    def facts(self) -> BodyFacts:
+        """The top-level facts, once step() returned True."""
+        if self._state != _DONE:
+            raise RuntimeError("the body is not scanned yet")
+        body, stream_at, model_at = self._body, self._stream_at, self._model_at
+        stream = stream_at >= 0 and body[stream_at] == 0x74  # 't': the only value starting so is true
+        model = None
+        if model_at >= 0 and body[model_at] == 0x22:  # '"'
+            model = _short_string(body, model_at, self._max_model_chars)
+        return BodyFacts(stream=stream, model=model, has_model=model_at >= 0)
+
+    def _check_utf8(self, end: int, final: bool = False) -> None:
+        start, self._checked = self._checked, max(end, self._checked)
+        view = memoryview(self._body)
+        try:
+            # In pieces: the decoded text (up to 4 bytes a character) is never large. Decoding ASCII
+            # runs at memory speed; searching for a non-ASCII byte with ``re`` was 8x slower.
+            for offset in range(start, end, _UTF8_PIECE):
+                self._utf8.decode(view[offset:min(end, offset + _UTF8_PIECE)], False)
+            if final:
+                self._utf8.decode(b"", True)
+        except UnicodeDecodeError:
+            raise InvalidJSON("body is not valid UTF-8", "utf8") from None
+
+    # -- handlers: each takes the position of the next token, returns where it ends and the state
+
+    def _skip_ws(self, p: int) -> int:
+        # A run may stop inside whitespace (its endpos); whitespace can be long: one C loop.
+        if p < self._n and self._body[p] in _WS_BYTES:
+            return _WS_RE.match(self._body, p).end()
+        return p
+
+    def _byte(self, p: int) -> int:
+        return self._body[p] if p < self._n else -1
+
+    def _value(self, p: int, may_close: bool) -> tuple[int, int]:
+        body, stack = self._body, self._stack
+        p = self._skip_ws(p)
+        room = self._max_depth - len(stack)
+        if stack[-1] == _ARRAY:
+            q, ended = self._items(p, room, 0)
+            if ended:
+                return q, _AFTER_VALUE
+            if q > p:
+                p, may_close = q, False
+        token = _VALUE[room].match(body, p, p + _SLICE)
+        if token is not None:
+            return token.end(), _AFTER_VALUE
+        c = self._byte(p)
+        if c in (0x5B, 0x7B):  # '[', '{'
+            return self._open(p)
+        if may_close and c in (_ARRAY, _OBJECT):
+            return self._close(p)
+        token = _SCALAR_WS.match(body, p)  # a scalar longer than a slice
+        if token is None:
+            raise _syntax()
+        return token.end(), _AFTER_VALUE
+
+    def _key(self, p: int, may_close: bool) -> tuple[int, int]:
+        body = self._body
+        p = self._skip_ws(p)
+        top = len(self._stack) == 1
+        q, ended = self._items(p, self._max_depth - len(self._stack), 2 if top else 1)
+        if ended:
+            return q, _AFTER_VALUE
+        if q > p:
+            p, may_close = q, False
+        key = (_TOP_KEY_RE if top else _KEY).match(body, p)
+        if key is not None:
+            self._note(key, top)
+            return key.end(), _VALUE_NEXT
+        if may_close and self._byte(p) in (_ARRAY, _OBJECT):
+            return self._close(p)
+        raise _syntax()
+
+    def _items(self, p: int, room: int, kind: int) -> tuple[int, bool]:
+        """Items (kind 0: of an array; 1: pairs of an object; 2: of the top-level object), each
+        followed by its comma, for about a slice: runs of small values and of chains, in turn.
+        True with the position after a value when the last chain's closers go on to close
+        enclosing containers (the handlers check those)."""
+        body, top, end = self._body, kind == 2, p + _SLICE
+        # A chain holds at least one container more than its value: that value gets room - 1 levels.
+        run, chain = (_ITEMS, _PAIRS, _TOP_PAIRS)[kind][room], _CHAINS[kind][room - 1]
+        while p < end:
+            items = run.match(body, p, end)
+            self._note(items, top)
+            q, ended = self._chains(chain, self._skip_ws(items.end()), end, room, top)
+            if ended:
+                return q, True
+            if q == p:
+                break
+            p = self._skip_ws(q)
+        return p, False
+
+    def _chains(self, chain: re.Pattern[bytes], p: int, end: int, room: int, top: bool) -> tuple[int, bool]:
+        """Chain items while they are well formed; the handlers decide about any other."""
+        body = self._body
+        while (item := chain.match(body, p, end)) is not None:
+            openers = item.group("o")
+            if 0x22 in openers:  # '"': keys
+                openers = _STRING_RE.sub(b"", openers)
+            expected = openers.translate(_OPEN_TO_CLOSE, b" \t\n\r:")[::-1]
+            closers = item.group("c").translate(None, b" \t\n\r")
+            if closers[:len(expected)] != expected:
+                break  # a wrong closer
+            if len(expected) + max(0, min(room - 1, _ATOM_LEVELS)) > room and len(expected) + _depth(item.group("a")) > room:
+                break  # too deep: the handlers say where
+            self._note(item, top)
+            if len(closers) > len(expected):  # the value ends inside the run of closers
+                return self._nth_closer(item.start("c"), len(expected) - 1) + 1, True
+            p = item.end()
+        return p, False
+
+    def _note(self, match: re.Match[bytes], top: bool) -> None:
+        """The last top-level "stream" and "model" values of a run (later runs come later)."""
+        if top:
+            stream_at, model_at = match.start("s"), match.start("m")
+            if stream_at >= 0:
+                self._stream_at = stream_at
+            if model_at >= 0:
+                self._model_at = model_at
+
+    def _after_value(self, p: int) -> tuple[int, int]:
+        p = self._skip_ws(p)
+        c = self._byte(p)
+        if c == 0x2C:  # ','
+            return p + 1, _VALUE_NEXT if self._stack[-1] == _ARRAY else _KEY_NEXT
+        if c in (_ARRAY, _OBJECT):
+            return self._close(p)
+        raise _syntax()
+
+    def _open(self, p: int) -> tuple[int, int]:
+        """Openers in a row, pushed at once: the closers they expect are the run without its keys
+        and whitespace, translated (C calls on at most a slice)."""
+        run = _OPENERS.match(self._body, p, p + _SLICE)
+        q = run.end()
+        if q == p:  # '{' then whitespace or a key longer than a slice
+            q = _ONE_OPENER.match(self._body, p).end()
+        text = bytes(self._body[p:q])
+        closers = _closers_of(text)
+        room = self._max_depth - len(self._stack)
+        last = text.rstrip(b" \t\n\r")[-1:]
+        if len(closers) > room or (last == b"[" and self._byte(q) == 0x22 and self._loose_too_deep(p, room)):
+            raise InvalidJSON(f"JSON nested deeper than {self._max_depth} levels at byte {self._nth_opener(p, room)}",
+                              "depth")
+        self._stack += closers
+        if last == b"[":
+            return q, _VALUE_OR_CLOSE
+        return q, _KEY_OR_CLOSE if last == b"{" else _VALUE_NEXT
+
+    def _loose_too_deep(self, p: int, room: int) -> bool:
+        loose = _LOOSE_OPENERS.match(self._body, p, p + _SLICE).end()
+        return len(_closers_of(bytes(self._body[p:loose]))) > room
+
+    def _nth_opener(self, p: int, index: int) -> int:
+        for _ in range(index):
+            p = _ONE_OPENER.match(self._body, p).end()
+        return p
+
+    def _close(self, p: int) -> tuple[int, int]:
+        """Closers in a row, checked against the stack at once."""
+        q = _CLOSERS.match(self._body, p, p + _SLICE).end()
+        closers = bytes(self._body[p:q]).translate(None, b" \t\n\r")
+        stack = self._stack
+        depth = len(stack)
+        count = min(len(closers), depth)
+        if stack[depth - count:][::-1] != closers[:count]:
+            raise _syntax()
+        del stack[depth - count:]
+        if stack:
+            if q < self._n and self._body[q] == 0x2C:  # the comma after, in the same call
+                return q + 1, _VALUE_NEXT if stack[-1] == _ARRAY else _KEY_NEXT
+            return q, _AFTER_VALUE
+        if count < len(closers):  # the top-level object is closed, and more closers follow
+            raise InvalidJSON(f"unexpected data after the JSON object at byte {self._nth_closer(p, count)}", "trailing")
+        return q, _DONE
+
+    def _nth_closer(self, p: int, index: int) -> int:
+        for _ in range(index):
+            p = _WS_RE.match(self._body, p + 1).end()
+        return p
+
+
+def inspect_json_body(body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
+                      max_model_chars: int = DEFAULT_MAX_MODEL_CHARS,
+                      pause: Callable[[], object] | None = None) -> BodyFacts:
     """Check that ``body`` is one JSON object (RFC 8259, UTF-8) nested at most ``max_depth`` deep
-    (the top-level object is depth 1), and return its top-level facts. Raises InvalidJSON."""
-    if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
-        raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
-    if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
-        body = body.cast("B")
-    first = _NOT_WS.search(body)
-    if first is None:
-        raise InvalidJSON("empty body", "empty")
-    if body[first.start()] != 0x7B:  # '{'
-        raise InvalidJSON("body must be a JSON object", "not_object")
-    _check_utf8(body)
-    match = _body_pattern(min(max_depth, _FIRST_DEPTH)).match(body)
-    if (match is None or match.end() != len(body)) and max_depth > _FIRST_DEPTH and _may_nest_deeper(body):
-        match = _body_pattern(max_depth).match(body)  # a body that needs the full depth (or is invalid)
-    if match is None or match.end() != len(body):
-        raise _diagnose(body, max_depth, match)
-    stream_at, model_at = match.start("s"), match.start("m")
-    stream = stream_at >= 0 and body[stream_at] == 0x74  # 't': the only value starting so is true
-    model = None
-    if model_at >= 0 and body[model_at] == 0x22:  # '"'
-        model = _short_string(body, model_at, max_model_chars)
-    return BodyFacts(stream=stream, model=model, has_model=model_at >= 0)
+    (the top-level object is depth 1), and return its top-level facts. Raises InvalidJSON.
+    ``pause`` is called between steps of about STEP_BYTES (``gevent.sleep`` on a loop that serves
+    other clients: a big body then blocks it for one step at a time, not for the whole scan)."""
+    scanner = JSONScanner(body, max_depth=max_depth, max_model_chars=max_model_chars)
+    while not scanner.step():
+        if pause is not None:
+            pause()
+    return scanner.facts()
 
 
-def _short_string(body: bytes | bytearray | memoryview, at: int, max_chars: int) -> str | None:
+def _short_string(body: Body, at: int, max_chars: int) -> str | None:
     # A character takes at most 12 bytes (an escaped surrogate pair): a string that doesn't end
     # within that many can't be short enough, and is neither scanned again nor copied out.
     token = _STRING_RE.match(body, at, at + 12 * max_chars + 2)
@@ -229,15 +460,3 @@ def _short_string(body: bytes | bytearray | memoryview, at: int, max_chars: int)
     text = bytes(body[at:token.end()]).decode("utf-8", "surrogatepass")
     value, _ = scanstring(text, 1, True)
     return value if len(value) <= max_chars else None
-
-
-def _diagnose(body: bytes | bytearray | memoryview, max_depth: int, match: re.Match[bytes] | None) -> InvalidJSON:
-    if match is not None:  # a whole object, then more
-        return InvalidJSON(f"unexpected data after the JSON object at byte {match.end()}", "trailing")
-    # Too few brackets to be too deep: a syntax error, without a second pass over the body.
-    if not isinstance(body, memoryview) and body.count(b"[") + body.count(b"{") <= max_depth:
-        return InvalidJSON("body is not valid JSON")
-    probe = _probe_pattern(max_depth).match(body)
-    if probe is not None and probe.start("deep") >= 0:
-        return InvalidJSON(f"JSON nested deeper than {max_depth} levels at byte {probe.start('deep')}", "depth")
-    return InvalidJSON("body is not valid JSON")

@@ -8,6 +8,7 @@ reads the body and forwards it. :func:`inspect_cold_body` decides how a cold req
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import unquote
@@ -19,8 +20,8 @@ __all__ = ["Route", "route", "has_dot_segment", "is_models_path", "is_json", "in
            "InvalidJSON"]
 
 # OpenAI bodies nest a handful of levels; a tool's or response format's JSON schema adds two per
-# nested property (about 25 for ten nested objects). 64 leaves room for any real request while the
-# scanner's compiled expression (about 90 KiB per level, gateway.jsonscan) stays small.
+# nested property (about 25 for ten nested objects). 64 leaves room for any real request (the
+# scanner's memory is one byte per open level, gateway.jsonscan).
 MAX_JSON_DEPTH = 64
 _DOT_SEGMENT = re.compile(r"(^|/)\.{1,2}(/|$)")
 _OPENS_OBJECT = re.compile(rb"[ \t\r\n]*\{")
@@ -95,11 +96,12 @@ def is_json(content_type: bytes | None, body: bytes) -> bool:
     return kind in _UNTYPED and _OPENS_OBJECT.match(body) is not None
 
 
-def inspect_cold_body(head: RequestHead, body: bytes) -> bool:
+def inspect_cold_body(head: RequestHead, body: bytes, pause: Callable[[], object] | None = None) -> bool:
     """Whether a cold request is a streamed one (held with SSE heartbeats). Raises InvalidJSON for
     a JSON body that is malformed, nested deeper than MAX_JSON_DEPTH or not an object: it is refused
-    before it can wake a model. The scan is bounded in memory and depth (gateway.jsonscan)."""
+    before it can wake a model. The scan is bounded in memory and depth (gateway.jsonscan); ``pause``
+    runs between its steps (the caller's yield to its loop: probes are answered meanwhile)."""
     if not body or not is_json(head.content_type, body):
         return False
-    return inspect_json_body(body, max_depth=MAX_JSON_DEPTH).stream
+    return inspect_json_body(body, max_depth=MAX_JSON_DEPTH, pause=pause).stream
 

@@ -38,7 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.modeltable import MAX_MODEL_NAME, ModelTable, ModelTableFile, TableChange
 from gateway.multipart import InvalidMultipart, ModelFieldTooLong, is_multipart, multipart_model
 from gateway.policy import MAX_JSON_DEPTH, is_json, route
-from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error
+from gateway.routes import AnswersHere, GatewayApp, RequestBody, answer_body_failure, answer_error, yield_to_loop
 from gateway.server import (
     ClientBodyError,
     ClientConnection,
@@ -405,7 +405,7 @@ class SharedGatewayApp(AnswersHere):
         if not data or not is_json(head.content_type, data):
             return ""
         try:
-            facts = inspect_json_body(data, max_depth=MAX_JSON_DEPTH)
+            facts = inspect_json_body(data, max_depth=MAX_JSON_DEPTH, pause=yield_to_loop)
         except InvalidJSON:
             return None
         return facts.model or ""

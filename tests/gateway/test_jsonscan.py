@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.jsonscan import BodyFacts, InvalidJSON, inspect_json_body
+from gateway.jsonscan import STEP_BYTES, BodyFacts, InvalidJSON, JSONScanner, inspect_json_body
 
 MIB = 1 << 20
 
@@ -80,6 +80,10 @@ def test_bytearray_and_memoryview_bodies() -> None:
     assert facts(bytearray(body[2:])).stream
     assert facts(memoryview(body)[2:]).model == "m"  # e.g. a view into a receive buffer
     refused(memoryview(b'{"a":"\xff"}'), "utf8")
+    chains = b'{"a":[[[1]],[[2]],{"k":[3]},3],"b":{"c":[[1]],"d":1},"model":[["m"]],"stream":true}'
+    for view in (bytearray(chains), memoryview(chains)):
+        assert facts(view) == BodyFacts(stream=True, model=None, has_model=True)
+    refused(memoryview(b'{"a":[[[1]}],1]}'))
 
 
 # -- refusals -----------------------------------------------------------------------------------
@@ -171,6 +175,28 @@ def test_depth_at_the_limit(max_depth: int) -> None:
     assert error.reason.startswith(f"JSON nested deeper than {max_depth} levels")
     refused(nested(max_depth, b"[]"), "depth", max_depth=max_depth)
     refused(nested(max_depth, b"{}"), "depth", max_depth=max_depth)
+
+
+@pytest.mark.parametrize("max_depth", [1, 2, 3, 5, 6, 7])
+def test_depth_at_the_limit_inside_runs_of_items(max_depth: int) -> None:
+    """Items followed by a comma are matched in runs (small values, chains): the limit holds there."""
+    for inner in (b"1", b"[]", b"[1]", b"[[1]]", b"{}", b'{"k":[1]}'):
+        for depth in range(1, max_depth + 3):
+            item = b"[" * depth + inner + b"]" * depth
+            body = b'{"a":[' + item + b"," + item + b",1]}"
+            assert scan_at(body, max_depth) == oracle_at(body, max_depth), (body, max_depth)
+
+
+def scan_at(body: bytes, max_depth: int) -> str:
+    try:
+        inspect_json_body(body, max_depth=max_depth)
+        return "ok"
+    except InvalidJSON as exc:
+        return exc.kind
+
+
+def oracle_at(body: bytes, max_depth: int) -> str:
+    return "ok" if depth(json.loads(body)) <= max_depth else "depth"
 
 
 def test_default_depth_is_128() -> None:
@@ -324,34 +350,92 @@ def test_agrees_with_json_loads_on_nesting(shape: list[str]) -> None:
         assert scan(body.encode()) == oracle(body.encode()), body
 
 
-def test_a_shallow_body_never_compiles_the_full_depth_expression() -> None:
-    """The first cold request of a worker waited ~110 ms for the depth-64 expression to compile
-    (bench.gateway_bench's admission -> push); real bodies are matched by a shallow one first."""
-    from gateway import jsonscan
-
-    jsonscan._body_pattern.cache_clear()
+def test_bodies_deeper_than_flat_containers_keep_their_facts() -> None:
     tools = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "array",
              "items": {"type": "object", "properties": {"c": {"type": "string"}}}}}}}}
     body = json.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}]}], "tools": [{"type": "function", "function": {"parameters": tools}}]}).encode()
     assert inspect_json_body(body, max_depth=64) == BodyFacts(stream=True, model="m", has_model=True)
-    assert _only_the_shallow_expression_compiled(jsonscan)
-    # Deeper than the shallow expression but within the limit: the full one decides, same facts.
     deep = b'{"model":"m","x":' + b"[" * 40 + b"]" * 40 + b',"stream":true}'
     assert inspect_json_body(deep, max_depth=64) == BodyFacts(stream=True, model="m", has_model=True)
     assert inspect_json_body(memoryview(deep), max_depth=64).stream
     with pytest.raises(InvalidJSON) as too_deep:
         inspect_json_body(b'{"x":' + b"[" * 70 + b"]" * 70 + b"}", max_depth=64)
     assert too_deep.value.kind == "depth"
-    # Invalid but with few brackets: refused without compiling anything deeper.
-    jsonscan._body_pattern.cache_clear()
-    with pytest.raises(InvalidJSON):
-        inspect_json_body(b'{"model": "m", "stream": tru}', max_depth=64)
-    assert _only_the_shallow_expression_compiled(jsonscan)
 
 
-def _only_the_shallow_expression_compiled(jsonscan: Any) -> bool:
-    compiled = jsonscan._body_pattern.cache_info().currsize
-    hits = jsonscan._body_pattern.cache_info().hits
-    jsonscan._body_pattern(jsonscan._FIRST_DEPTH)  # a hit, not a compile, if it is the one
-    return compiled == 1 and jsonscan._body_pattern.cache_info().hits == hits + 1
+# -- steps: one pass, a bounded slice at a time -----------------------------------------------------
+
+
+@pytest.mark.parametrize("step,slice_", [(1, 1), (3, 2), (7, 5), (64, 16)])
+def test_tokens_cut_by_any_step_or_slice_give_the_same_answer(monkeypatch: pytest.MonkeyPatch, step: int,
+                                                               slice_: int) -> None:
+    """Runs stop at a slice's end (re's endpos) and steps at any byte: inside a string, a number,
+    whitespace, a key, a run of brackets. The answer never depends on where."""
+    from gateway import jsonscan
+
+    bodies = [b' { "model" : "m\u0065" , "stream" : true , "a" : [ [ 1 , 2 ] , { "k" : [ ] } , -1.5e+3 ,'
+              b' "x\"y" , { } ] , "s" : "' + "\u00e9\U0001f600".encode() + b'" } ',
+              b'{"a":[{"b":[{"c":[1,2,3]}]}],"model":"mm","stream":false,"stream":true}',
+              nested(8), nested(9), b'{"a":[1,2]]}', b'{"a":[1,2}', b'{"a":1} x', b'{"a":"\xc3"}',
+              b'{"a":' + b"[" * 20 + b"]" * 20 + b"}", b'{"a":' + b"[" * 20 + b"]" * 19 + b"}", b'{"a":[1 2]}']
+    expected = [scan(body) for body in bodies]
+    monkeypatch.setattr(jsonscan, "STEP_BYTES", step)
+    monkeypatch.setattr(jsonscan, "_SLICE", slice_)
+    assert [scan(body) for body in bodies] == expected
+    for body in bodies:
+        try:
+            inspect_json_body(body, max_depth=MAX_DEPTH)
+        except InvalidJSON as exc:
+            with pytest.raises(InvalidJSON) as cut:
+                monkeypatch.setattr(jsonscan, "STEP_BYTES", 1 << 20)
+                monkeypatch.setattr(jsonscan, "_SLICE", 1 << 20)
+                inspect_json_body(body, max_depth=MAX_DEPTH)
+            assert cut.value.kind == exc.kind, body
+            monkeypatch.setattr(jsonscan, "STEP_BYTES", step)
+            monkeypatch.setattr(jsonscan, "_SLICE", slice_)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated(), st.integers(1, 9), st.integers(1, 9))
+def test_agrees_with_json_loads_in_tiny_steps(body: bytes, step: int, slice_: int) -> None:
+    from gateway import jsonscan
+
+    saved = jsonscan.STEP_BYTES, jsonscan._SLICE
+    jsonscan.STEP_BYTES, jsonscan._SLICE = step, slice_
+    try:
+        assert scan(body) == oracle(body)
+    finally:
+        jsonscan.STEP_BYTES, jsonscan._SLICE = saved
+
+
+@pytest.mark.parametrize("name,body", [
+    ("62-deep chains, a wrong closer at the end", fill(b'{"a":[', b"[" * 61 + b"]" * 61 + b",", b"1}}", 8 * MIB)),
+    ("120-deep chains", fill(b'{"a":[', b"[" * 120 + b"]" * 120 + b",", b"1]}", 8 * MIB)),
+    ("zeros", fill(b'{"a":[', b"0,", b"0]}", 8 * MIB)),
+    ("[[1]] items", fill(b'{"a":[', b"[[1]],", b"1]}", 8 * MIB)),
+])
+def test_a_step_is_bounded_whatever_the_body(name: str, body: bytes) -> None:
+    """The caller yields between steps: no step may hold its loop long (the old expression held it
+    for up to 2 s on 8 MiB). Generous bound: the machine is shared; the bench has the figures."""
+    scanner = JSONScanner(body)
+    longest, steps, done = 0.0, 0, False
+    while not done:
+        started = time.perf_counter()
+        try:
+            done = scanner.step()
+        except InvalidJSON:
+            done = True
+        longest = max(longest, time.perf_counter() - started)
+        steps += 1
+    assert steps >= len(body) // STEP_BYTES // 2, (name, steps)
+    assert longest < 0.1, (name, longest)
+
+
+def test_pause_is_called_between_steps() -> None:
+    calls: list[int] = []
+    body = fill(b'{"a":[', b"0,", b'0],"stream":true}', 2 * MIB)
+    assert inspect_json_body(body, pause=lambda: calls.append(1)).stream
+    assert len(calls) >= 2 * MIB // STEP_BYTES - 1
+    assert inspect_json_body(b'{"a":1}', pause=lambda: calls.append(2)) == BodyFacts(False, None, False)
+    assert 2 not in calls
