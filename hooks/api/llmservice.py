@@ -438,9 +438,10 @@ class Endpoint(ApiModel):
         default=None,
         ge=1,
         le=3600,
-        description="Seconds a client has to send one whole request (head and body, from its first byte); "
-        "beyond it the client gets 408 request_timeout and the connection is closed. Unset: 60 (an 8 MiB "
-        "body at 140 KB/s). Raise it for clients on slow links sending large bodies. " + _SHARED,
+        description="Seconds a client has to send a request's head (from its first byte); beyond it the client "
+        "gets 408 request_timeout and the connection is closed. Unset: 60. A body has no fixed deadline: after "
+        "10 s it must keep arriving at 8 KiB/s or more (averaged over 10 s), else 408 client_too_slow, and "
+        "take at most 1800 s (the gateway's NOCTAYA_CLIENT_* settings). " + _SHARED,
     )
     auth: EndpointAuth | None = Field(
         default=None,
