@@ -285,6 +285,7 @@ class GatewayApp(AnswersHere):
             "maxQueue": pod.max_queue,
             "heldBytes": pod.held_bytes,
             "heldBytesLimit": self.config.max_held_body_bytes,
+            "uploadBytes": self.uploads.bytes,  # this worker's bodies still arriving
             "workers": pod.workers,
             "perWorker": pod.per_worker(),
             "lease": {

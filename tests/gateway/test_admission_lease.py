@@ -198,9 +198,9 @@ def test_bodies_held_while_cold_are_bounded_in_bytes(backend, make_gateway) -> N
 
 
 def test_slow_chunked_uploads_hold_only_what_they_sent(backend, make_gateway) -> None:
-    """A chunked upload reserves held bytes as they arrive, not the whole body limit, and takes no
-    slot and makes no demand before it is complete: two slow uploaders cannot make other cold
-    requests 429, nor wake the model."""
+    """A chunked upload counts its bytes as they arrive, not the whole body limit, as upload bytes
+    (never held bytes), and takes no slot and makes no demand before it is complete: two slow
+    uploaders cannot make other cold requests 429, nor wake the model."""
     gw = make_gateway(backend, max_queue=10, max_body_bytes=64 * 1024, max_held_body_bytes=128 * 1024)
     slow = []
     try:
@@ -209,9 +209,9 @@ def test_slow_chunked_uploads_hold_only_what_they_sent(backend, make_gateway) ->
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
             slow.append(sock)
-        wait_for(lambda: queue(gw)["heldBytes"] == 10, timeout=10, what="two slow uploads reading (5 bytes each)")
+        wait_for(lambda: queue(gw)["uploadBytes"] == 10, timeout=10, what="two slow uploads reading (5 bytes each)")
         state = queue(gw)
-        assert state["queued"] == 0 and not state["demand"]["active"] and state["lease"]["state"] == "idle"
+        assert state["heldBytes"] == 0 and state["queued"] == 0 and not state["demand"]["active"] and state["lease"]["state"] == "idle"
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(post, gw.port, BODY)
             wait_for(lambda: queue(gw)["queued"] == 1, timeout=10, what="a normal cold request held, not refused")
@@ -223,7 +223,8 @@ def test_slow_chunked_uploads_hold_only_what_they_sent(backend, make_gateway) ->
             sock.close()
 
 
-def test_a_chunked_upload_beyond_the_byte_budget_is_refused(backend, make_gateway) -> None:
+def test_a_chunked_upload_beyond_the_upload_budget_is_refused(backend, make_gateway) -> None:
+    # The worker's upload bound defaults to the held budget's size (16 KiB here).
     gw = make_gateway(backend, max_queue=10, max_body_bytes=256 * 1024, max_held_body_bytes=16 * 1024)
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
         chunk = b"x" * 8192
@@ -234,8 +235,9 @@ def test_a_chunked_upload_beyond_the_byte_budget_is_refused(backend, make_gatewa
         except OSError:
             pass  # the gateway may close as soon as it refuses
         reply = sock.recv(65536)
-    assert reply.startswith(b"HTTP/1.1 429") and b"queue_full" in reply
-    assert queue(gw)["queued"] == 0
+    assert reply.startswith(b"HTTP/1.1 429") and b"upload_bytes_full" in reply, reply[:300]
+    state = queue(gw)
+    assert state["queued"] == 0 and state["uploadBytes"] == 0 and state["heldBytes"] == 0
 
 
 def test_a_failing_demand_sink_never_fails_client_requests(backend, make_gateway) -> None:
