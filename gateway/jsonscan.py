@@ -458,28 +458,66 @@ def inspect_json_body(body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
     if body[first.start()] != 0x7B:  # '{': msgspec would skip a BOM-less array too, and say why in its words
         raise InvalidJSON("body must be a JSON object", "not_object")
     _check_utf8(body, pause)  # msgspec does not check UTF-8 in the strings it skips
-    n = end = len(body)
+    end = len(body)
     # Deeper than max_depth needs more openers than that: counting them is a C loop at memory speed.
     if _openers(body) > max_depth:
-        deep_at, _ = _depth_scan(body, n, max_depth, pause)
-        end = n if deep_at < 0 else deep_at
+        deep_at, _ = _depth_scan(body, end, max_depth, pause)
+        end = end if deep_at < 0 else deep_at
+    if pause is not None and len(body) > STEP_BYTES:
+        pause()  # the C call below is a block of its own (~2-5 ns a byte)
+    try:
+        return _facts_of(_decode(body, body, end, max_depth, pause), max_model_chars)
+    except InvalidJSON:
+        if _ESCAPED_SURROGATE.search(body) is None:
+            raise
+    # msgspec refuses escaped lone surrogates ("\\ud800"), json.loads accepts them: msgspec checks a
+    # copy where they are escapes of other characters (same length, same offsets; C loops).
+    lower = _without_surrogates(body, b"0", b"1", pause)
+    parsed = _decode(lower, body, end, max_depth, pause)
+    model = parsed.model
+    raw = memoryview(b"") if model is msgspec.UNSET else memoryview(model)
+    if len(raw) <= 12 * max_model_chars + 2 and b"\\" in bytes(raw):  # longer is never a short string
+        # The model's own text: where a second copy differs, the body had d or D.
+        other = _decode(_without_surrogates(body, b"2", b"3", pause), body, end, max_depth, pause).model
+        restored = bytes(a if a == b else (0x64 if a == 0x30 else 0x44)
+                         for a, b in zip(raw, memoryview(other), strict=True))
+        parsed = _Facts(model=msgspec.Raw(restored), stream=parsed.stream)
+    return _facts_of(parsed, max_model_chars)
+
+
+def _decode(body: Body, original: Body, end: int, max_depth: int, pause: Callable[[], object] | None) -> _Facts:
+    """msgspec on ``body[:end]``, its errors as ours."""
     try:
         # Only up to the first opener too deep: msgspec then recurses at most max_depth + 1 levels
         # (it has no depth limit of its own), and an error to the left of it is still the one reported.
         parsed = _DECODER.decode(memoryview(body)[:end])
     except msgspec.DecodeError as exc:
-        if end < n and str(exc) == _TRUNCATED:
+        if end < len(body) and str(exc) == _TRUNCATED:
             raise _too_deep(max_depth, end) from None
-        if _ESCAPED_SURROGATE.search(body) is not None:
-            # msgspec refuses escaped lone surrogates ("\\ud800"); json.loads accepts them. Only a body
-            # that has one and that msgspec refuses takes the stepped scanner (bounded, yielding).
-            return _stepped_scan(body, max_depth, max_model_chars, pause)
-        raise _from_msgspec(exc, body, max_depth, pause) from None
+        raise _from_msgspec(exc, original, max_depth, pause) from None
     except RecursionError:  # not expected (msgspec sees at most max_depth + 1 levels); never escape
         raise InvalidJSON(f"JSON nested deeper than {max_depth} levels", "depth") from None
-    if end < n:  # cannot happen: a prefix cut at an inner opener leaves the top level open
+    if end < len(body):  # cannot happen: a prefix cut at an inner opener leaves the top level open
         raise _too_deep(max_depth, end)
-    return _facts_of(parsed, max_model_chars)
+    return parsed
+
+
+def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[[], object] | None) -> bytes:
+    r"""The body with ``\ud8..``-``\udf..`` escapes as ``\u{lower}8..`` (``\uD`` as ``upper``), a
+    4 KiB piece at a time (re.sub keeps a piece per match until it joins them). A piece never ends
+    within the 3 bytes after a backslash, so no escape is cut."""
+    out, p, n = bytearray(), 0, len(body)
+    while p < n:
+        cut = min(n, p + _DEPTH_CHUNK)
+        if cut < n:
+            back = bytes(body[cut - 3:cut]).rfind(b"\\")
+            cut = cut - 3 + back if back >= 0 else cut
+        piece = _SURROGATE_LOWER.sub(b"\\\\u" + lower, bytes(body[p:cut]))
+        out += _SURROGATE_UPPER.sub(b"\\\\u" + upper, piece)
+        if pause is not None and p // STEP_BYTES != cut // STEP_BYTES:
+            pause()  # then msgspec's call, on the copy
+        p = cut
+    return bytes(out)
 
 
 def _too_deep(max_depth: int, at: int) -> InvalidJSON:
@@ -499,6 +537,8 @@ _DECODER = msgspec.json.Decoder(_Facts)
 _TRUNCATED = "Input data was truncated"
 _BYTE_OFFSET = re.compile(r"\(byte (\d+)\)")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_LOWER = re.compile(rb"\\ud(?=[89a-fA-F])")
+_SURROGATE_UPPER = re.compile(rb"\\uD(?=[89a-fA-F])")
 _STRING_ANY = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.S)  # a string whose escapes msgspec checked
 # Complete strings and other bytes up to endpos: a cut that is never inside a string.
 _UP_TO_A_CUT_STRING = re.compile(rb'(?:[^"]++|"[^"\\]*+(?:\\.[^"\\]*+)*+")*+', re.S)
@@ -628,15 +668,6 @@ def _facts_of(parsed: _Facts, max_model_chars: int) -> BodyFacts:
         if raw[:1] == b'"':
             text = _short_string(raw, 0, max_model_chars)
     return BodyFacts(stream=is_true, model=text, has_model=model is not msgspec.UNSET)
-
-
-def _stepped_scan(body: Body, max_depth: int, max_model_chars: int,
-                  pause: Callable[[], object] | None) -> BodyFacts:
-    scanner = JSONScanner(body, max_depth=max_depth, max_model_chars=max_model_chars)
-    while not scanner.step():
-        if pause is not None:
-            pause()
-    return scanner.facts()
 
 
 def _short_string(body: Body, at: int, max_chars: int) -> str | None:
