@@ -3,36 +3,34 @@ in bounded steps, so that one body cannot hold the gateway's only loop.
 
 ``json.loads`` builds the whole document: 8 MiB of ``[[],[],...]`` becomes ~200 MiB of lists (an
 OOM kill in a small container) and 100,000 nested ``[`` raise RecursionError. This module never
-builds the document. It used to match the whole body against one regular expression unrolled per
-nesting level, up to three times; that cost ~0.4 µs per container and could not pause: 8 MiB of
-62-deep brackets with a wrong closer at the end held the loop 2.3 s, and probes timed out
-(bench.jsonscan_regex_baseline keeps it, for the bench only).
+builds the document. :func:`inspect_json_body`, the gateway's check:
 
-Now: one pass, left to right, by a small state machine (:class:`JSONScanner`) whose tokens are
-compiled expressions run by ``re`` in C, each on at most a slice of the body (``endpos``):
+- UTF-8 is decoded 64 KiB at a time (surrogatepass, like ``json.loads``; msgspec does not check the
+  strings it skips);
+- the grammar: msgspec (C, linear) decodes the body into a Struct of two ``msgspec.Raw`` fields,
+  ``model`` and ``stream``: every other field is skipped without being built, the last of duplicate
+  keys wins and escaped keys count by their text (as in ``json.loads``); the facts come from the
+  two raw slices. One C call, ~1-3 ns a byte on any shape;
+- depth: msgspec has no limit of its own (past Python's recursion limit it raises RecursionError).
+  When the body has more ``[``/``{`` than max_depth (``bytes.count``), a depth scan finds the first
+  opener too deep, 4 KiB at a time in C loops (strings removed by ``re.sub``, brackets as +1/-1 by
+  ``translate``, the running maximum by ``itertools.accumulate``): ~15-30 ns a byte on dense
+  brackets. msgspec then sees only the body before that opener (at most max_depth + 1 levels), so
+  an error to its left is still the one reported, and "truncated" there means too deep;
+- escaped lone surrogates (``"\\ud800"``), which msgspec refuses and ``json.loads`` accepts: msgspec
+  checks a copy in which they are escapes of other characters (same length, same offsets).
 
-- a run of array items or object pairs, each followed by its comma, in one call; an item is any
-  value nested at most _ATOM_LEVELS (4) deep, matched whole (no group per level: arrays and objects
-  are separate alternatives, so the pattern doubles per level and stops at 4), or a chain (openers,
-  one such value, closers), whose closers Python checks against its openers with a few C calls;
-- a run of openers (``[``, ``{"key":``) or of closers in one call: Python pushes or checks the
-  whole run on a stack of closer bytes (one byte per open level, at most the depth limit) with a
-  few C calls (the run without its keys and whitespace, translated);
-- top-level keys: groups ``s``/``m`` mark where the last ``"stream"``/``"model"`` value starts.
+``pause`` runs between 256 KiB (STEP_BYTES) of the UTF-8 and depth checks and before the msgspec
+call, which is the longest block: ~10-30 ms for 8 MiB (``python -m bench.jsonscan_bench``,
+docs/benchmarks.md). Memory: ~130 KiB whatever the body (a copy of it for lone surrogates).
 
-Python runs once per run, not per byte. step() scans about STEP_BYTES (256 KiB) or STEP_EVENTS runs
-and returns; the callers yield to their loop between steps (``inspect_json_body(pause=...)``).
-UTF-8 is decoded (incrementally, 64 KiB at a time) a step ahead of the grammar.
-
-Cost (``python -m bench.jsonscan_bench``, 2 shared cores; docs/benchmarks.md): a step takes at most
-~40 ms of CPU (a single token, e.g. one 8 MiB string, is one C call of ~25 ms); CPU 3 ns a byte in
-long strings, 10-135 ns a byte for dense small values, chains and deep nesting (8 MiB of 62-deep
-brackets with a wrong closer: 0.94 s, was 2.2 s in one block), 11 ns a byte for a 94 KiB chat body.
-Each byte is matched a bounded number of times: a run that fails on an item is matched again by the
-handlers, within a slice (_SLICE), and a chain tries at most 16 splits. The costliest shape is dense
-items that branch where neither a small value nor a chain covers them (``[[1],[[[[[1]]]]]],...``):
-4-5 Python calls per item, ~0.9-1 µs a byte (7.3-8.2 s for 8 MiB; the old expression took 0.9 s), but
-in steps of ~10 ms. Callers bound the body size.
+:class:`JSONScanner`, the stepped pure-Python scanner that did the whole check before msgspec, is
+kept for the bench (the figures it replaced) and its tests; the gateway does not use it (it costs
+up to ~1 µs a byte on dense branched items, 8 s of CPU for 8 MiB). Its design: one pass, left to right, by a
+small state machine whose tokens are compiled expressions run by ``re`` in C, each on at most a
+slice of the body (``endpos``): runs of items (values nested at most _ATOM_LEVELS deep, or chains of
+openers, one such value and closers) and runs of openers or closers, each handled by Python at once
+on a stack of closer bytes; step() scans about STEP_BYTES or STEP_EVENTS runs and returns.
 
 Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
 
@@ -45,7 +43,9 @@ Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` p
   (``"str\\u0065am"`` is ``"stream"``); escaped lone surrogates (``"\\ud800"``) and UTF-8-encoded
   surrogates are accepted (``json.loads`` decodes bytes with ``surrogatepass``).
 - The first error from the left is the one reported, except that a run of openers going deeper than
-  the limit is a depth error even where a key follows a ``[`` (``{"a":["a":[...``), as before.
+  the limit is a depth error even where a key follows a ``[`` (``{"a":["a":[...``), as before, and
+  that invalid UTF-8 anywhere is reported before a grammar or depth error.
+- Reasons name a byte offset at most (msgspec's messages are reduced to theirs).
 """
 
 from __future__ import annotations
@@ -508,7 +508,7 @@ def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[
     within the 3 bytes after a backslash, so no escape is cut."""
     out, p, n = bytearray(), 0, len(body)
     while p < n:
-        cut = min(n, p + _DEPTH_CHUNK)
+        cut = min(n, p + max(_DEPTH_CHUNK, 8))  # > 3: a piece always moves on
         if cut < n:
             back = bytes(body[cut - 3:cut]).rfind(b"\\")
             cut = cut - 3 + back if back >= 0 else cut

@@ -401,12 +401,13 @@ def test_tokens_cut_by_any_step_or_slice_give_the_same_answer(monkeypatch: pytes
 def test_agrees_with_json_loads_in_tiny_steps(body: bytes, step: int, slice_: int) -> None:
     from gateway import jsonscan
 
-    saved = jsonscan.STEP_BYTES, jsonscan._SLICE
-    jsonscan.STEP_BYTES, jsonscan._SLICE = step, slice_
+    saved = jsonscan.STEP_BYTES, jsonscan._SLICE, jsonscan._DEPTH_CHUNK
+    # _DEPTH_CHUNK: the depth scan's chunks then end inside strings, escapes and numbers too.
+    jsonscan.STEP_BYTES, jsonscan._SLICE, jsonscan._DEPTH_CHUNK = step, slice_, slice_
     try:
         assert scan(body) == oracle(body)
     finally:
-        jsonscan.STEP_BYTES, jsonscan._SLICE = saved
+        jsonscan.STEP_BYTES, jsonscan._SLICE, jsonscan._DEPTH_CHUNK = saved
 
 
 @pytest.mark.parametrize("name,body", [
