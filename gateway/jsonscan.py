@@ -542,6 +542,7 @@ _SURROGATE_UPPER = re.compile(rb"\\uD(?=[89a-fA-F])")
 _STRING_ANY = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.S)  # a string whose escapes msgspec checked
 # Complete strings and other bytes up to endpos: a cut that is never inside a string.
 _UP_TO_A_CUT_STRING = re.compile(rb'(?:[^"]++|"[^"\\]*+(?:\\.[^"\\]*+)*+")*+', re.S)
+_UP_TO_A_BRACKETED_STRING = re.compile(rb'(?:[^"]++|"[^"\\\[\]{}]*+(?:\\.[^"\\\[\]{}]*+)*+")*+', re.S)
 _STRUCTURE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[\[\]{}]', re.S)
 # re.sub keeps a piece per string until it joins them (~200 bytes each): small chunks bound that.
 _DEPTH_CHUNK = 4096
@@ -567,7 +568,11 @@ def _depth_scan(body: Body, end: int, max_depth: int, pause: Callable[[], object
         if since_pause >= STEP_BYTES and pause is not None:
             pause()
             since_pause = 0
-        cut = _UP_TO_A_CUT_STRING.match(body, p, min(end, p + _DEPTH_CHUNK)).end()
+        limit = min(end, p + _DEPTH_CHUNK)
+        # Strings without brackets can stay (translate drops them); re.sub (a piece per string) only
+        # from the first string with a bracket in it.
+        plain = _UP_TO_A_BRACKETED_STRING.match(body, p, limit).end()
+        cut = _UP_TO_A_CUT_STRING.match(body, plain, limit).end()
         if cut == p:  # a string longer than a chunk (one C call), or a malformed one: msgspec says
             string = _STRING_ANY.match(body, p, end)
             if string is None:
@@ -575,9 +580,9 @@ def _depth_scan(body: Body, end: int, max_depth: int, pause: Callable[[], object
             since_pause += string.end() - p
             p = string.end()
             continue
-        chunk = bytes(body[p:cut])
-        if 0x22 in chunk:  # '"'
-            chunk = _STRING_ANY.sub(b"", chunk)
+        chunk = bytes(body[p:plain])
+        if cut > plain:
+            chunk += _STRING_ANY.sub(b"", bytes(body[plain:cut]))
         steps = chunk.translate(_DEPTH_STEPS, _NOT_BRACKETS)  # deletes first, then maps
         if steps and max(accumulate(memoryview(steps).cast("b"), initial=depth)) > max_depth:
             return _nth_deep_opener(body, p, depth, max_depth), depth
