@@ -53,7 +53,7 @@ def bodies() -> dict[str, bytes]:
         "bad byte at the end (refused)": _fill(b'{"a":[', b"0,", b"0]x"),
         '100-deep ["","",...] (depth scan, strings)': _fill(b'{"a":' + b"[" * 100, b'"",', b'""' + b"]" * 100 + b"}"),
         "[[[[[1]]]]],... 129 deep at the end (refused)": _fill(b'{"a":[', b"[[[[[1]]]]],", b"[" * 127),
-        "branched + lone \\ud800 (stepped fallback)": _fill(b'{"a":[', b"[[1],[[[[[1]]]]]],", b'"\\ud800"]}'),
+        "branched + lone \\ud800 (checked on a copy)": _fill(b'{"a":[', b"[[1],[[[[[1]]]]]],", b'"\\ud800"]}'),
     }
 
 

@@ -502,7 +502,7 @@ def _decode(body: Body, original: Body, end: int, max_depth: int, pause: Callabl
     return parsed
 
 
-def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[[], object] | None) -> bytes:
+def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[[], object] | None) -> bytearray:
     r"""The body with ``\ud8..``-``\udf..`` escapes as ``\u{lower}8..`` (``\uD`` as ``upper``), a
     4 KiB piece at a time (re.sub keeps a piece per match until it joins them). A piece never ends
     within the 3 bytes after a backslash, so no escape is cut."""
@@ -517,7 +517,7 @@ def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[
         if pause is not None and p // STEP_BYTES != cut // STEP_BYTES:
             pause()  # then msgspec's call, on the copy
         p = cut
-    return bytes(out)
+    return out  # msgspec reads any buffer: no second copy
 
 
 def _too_deep(max_depth: int, at: int) -> InvalidJSON:
