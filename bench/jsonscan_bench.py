@@ -1,8 +1,10 @@
 """``python -m bench.jsonscan_bench [--json-loads] [--quick]``: CPU per byte of
-gateway.jsonscan.inspect_json_body on a typical chat body and on 8 MiB hostile bodies, beside the
-regular-expression check it replaced (bench.jsonscan_regex_baseline, measured in the same run); the
-longest a loop is blocked between two yields (JSONScanner.step); peak allocation. ``--json-loads``
-adds json.loads's CPU; ``--quick`` skips the baseline (seconds per body)."""
+gateway.jsonscan.inspect_json_body (msgspec in C, plus the depth scan) on a typical chat body and on
+8 MiB hostile bodies, beside the stepped pure-Python scanner it keeps as a fallback
+(gateway.jsonscan.JSONScanner) and the regular-expression check before that
+(bench.jsonscan_regex_baseline), measured in the same run; the longest a loop is blocked between two
+calls of ``pause``; peak allocation. ``--json-loads`` adds json.loads's CPU; ``--quick`` skips the
+stepped scanner and the regex (seconds per body)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ def bodies() -> dict[str, bytes]:
         "[-1.5e+10,...]": _fill(b'{"a":[', b"-1.5e+10,", b"1]}"),
         "100,000 x [ (refused)": b'{"a":' + b"[" * 100_000,
         "bad byte at the end (refused)": _fill(b'{"a":[', b"0,", b"0]x"),
+        '100-deep ["","",...] (depth scan, strings)': _fill(b'{"a":' + b"[" * 100, b'"",', b'""' + b"]" * 100 + b"}"),
+        "[[[[[1]]]]],... 129 deep at the end (refused)": _fill(b'{"a":[', b"[[[[[1]]]]],", b"[" * 127),
+        "branched + lone \\ud800 (checked on a copy)": _fill(b'{"a":[', b"[[1],[[[[[1]]]]]],", b'"\\ud800"]}'),
     }
 
 
@@ -70,21 +75,28 @@ def cpu(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def longest_step(body: bytes) -> tuple[float, int]:
-    """The longest step (CPU seconds of this thread: what a loop waits between two yields when the
-    host is not oversubscribed) and the step count."""
-    longest, steps = 0.0, 0
-    try:
-        scanner = JSONScanner(body, max_depth=128)
-        done = False
-        while not done:
-            started = time.thread_time()
-            done = scanner.step()
-            longest = max(longest, time.thread_time() - started)
-            steps += 1
-    except InvalidJSON:
+def stepped(body: bytes) -> None:
+    """The stepped pure-Python scanner alone (what inspect_json_body used before msgspec)."""
+    scanner = JSONScanner(body, max_depth=128)
+    while not scanner.step():
         pass
-    return longest, steps
+
+
+def longest_block(body: bytes) -> tuple[float, int]:
+    """The most CPU (this thread's: what a loop waits between two yields when the host is not
+    oversubscribed) between two calls of ``pause``, and the number of pauses."""
+    pauses: list[float] = []
+    longest, last = 0.0, time.thread_time()
+
+    def pause() -> None:
+        nonlocal longest, last
+        now = time.thread_time()
+        longest = max(longest, now - last)
+        pauses.append(now)
+        last = time.thread_time()
+
+    run(lambda: inspect_json_body(body, pause=pause))
+    return max(longest, time.thread_time() - last), len(pauses)
 
 
 def peak(fn: Callable[[], object]) -> int:
@@ -97,17 +109,18 @@ def peak(fn: Callable[[], object]) -> int:
 
 def main() -> int:
     with_loads, quick = "--json-loads" in sys.argv, "--quick" in sys.argv
-    print(f"{'body':36} {'size':>9} {'scan':>9} {'ns/B':>6} {'regex':>9} {'ns/B':>6} {'step':>8} {'steps':>5} "
-          f"{'peak':>9}  outcome" + ("   json.loads" if with_loads else ""), flush=True)
+    print(f"{'body':44} {'size':>8} {'check':>8} {'ns/B':>5} {'stepped':>8} {'ns/B':>5} {'regex':>8} {'ns/B':>5} "
+          f"{'block':>7} {'pauses':>6} {'peak':>7}  outcome" + ("   json.loads" if with_loads else ""), flush=True)
     for name, body in bodies().items():
         size = len(body)
         new = cpu(lambda body=body: inspect_json_body(body), 3)
-        old = float("nan") if quick else cpu(lambda body=body: baseline.inspect_json_body(body), 1)
-        block, steps = longest_step(body)
+        old = float("nan") if quick else cpu(lambda body=body: stepped(body), 1)
+        regex = float("nan") if quick else cpu(lambda body=body: baseline.inspect_json_body(body), 1)
+        block, pauses = longest_block(body)
         outcome = run(lambda body=body: inspect_json_body(body))
-        line = (f"{name:36} {size:>9} {new * 1000:>7.1f}ms {new * 1e9 / size:>6.0f} {old * 1000:>7.0f}ms "
-                f"{old * 1e9 / size:>6.0f} {block * 1000:>6.1f}ms {steps:>5} "
-                f"{peak(lambda body=body: inspect_json_body(body)) / 1024:>6.0f}KiB  {outcome}")
+        line = (f"{name:44} {size:>8} {new * 1000:>6.1f}ms {new * 1e9 / size:>5.0f} {old * 1000:>6.0f}ms "
+                f"{old * 1e9 / size:>5.0f} {regex * 1000:>6.0f}ms {regex * 1e9 / size:>5.0f} {block * 1000:>5.1f}ms "
+                f"{pauses:>6} {peak(lambda body=body: inspect_json_body(body)) / 1024:>4.0f}KiB  {outcome}")
         if with_loads:
             line += f"   {cpu(lambda body=body: json.loads(body), 1) * 1000:.0f}ms"
         print(line, flush=True)

@@ -3,36 +3,34 @@ in bounded steps, so that one body cannot hold the gateway's only loop.
 
 ``json.loads`` builds the whole document: 8 MiB of ``[[],[],...]`` becomes ~200 MiB of lists (an
 OOM kill in a small container) and 100,000 nested ``[`` raise RecursionError. This module never
-builds the document. It used to match the whole body against one regular expression unrolled per
-nesting level, up to three times; that cost ~0.4 µs per container and could not pause: 8 MiB of
-62-deep brackets with a wrong closer at the end held the loop 2.3 s, and probes timed out
-(bench.jsonscan_regex_baseline keeps it, for the bench only).
+builds the document. :func:`inspect_json_body`, the gateway's check:
 
-Now: one pass, left to right, by a small state machine (:class:`JSONScanner`) whose tokens are
-compiled expressions run by ``re`` in C, each on at most a slice of the body (``endpos``):
+- UTF-8 is decoded 64 KiB at a time (surrogatepass, like ``json.loads``; msgspec does not check the
+  strings it skips);
+- the grammar: msgspec (C, linear) decodes the body into a Struct of two ``msgspec.Raw`` fields,
+  ``model`` and ``stream``: every other field is skipped without being built, the last of duplicate
+  keys wins and escaped keys count by their text (as in ``json.loads``); the facts come from the
+  two raw slices. One C call, ~1-3 ns a byte on any shape;
+- depth: msgspec has no limit of its own (past Python's recursion limit it raises RecursionError).
+  When the body has more ``[``/``{`` than max_depth (``bytes.count``), a depth scan finds the first
+  opener too deep, 4 KiB at a time in C loops (strings removed by ``re.sub``, brackets as +1/-1 by
+  ``translate``, the running maximum by ``itertools.accumulate``): ~15-30 ns a byte on dense
+  brackets. msgspec then sees only the body before that opener (at most max_depth + 1 levels), so
+  an error to its left is still the one reported, and "truncated" there means too deep;
+- escaped lone surrogates (``"\\ud800"``), which msgspec refuses and ``json.loads`` accepts: msgspec
+  checks a copy in which they are escapes of other characters (same length, same offsets).
 
-- a run of array items or object pairs, each followed by its comma, in one call; an item is any
-  value nested at most _ATOM_LEVELS (4) deep, matched whole (no group per level: arrays and objects
-  are separate alternatives, so the pattern doubles per level and stops at 4), or a chain (openers,
-  one such value, closers), whose closers Python checks against its openers with a few C calls;
-- a run of openers (``[``, ``{"key":``) or of closers in one call: Python pushes or checks the
-  whole run on a stack of closer bytes (one byte per open level, at most the depth limit) with a
-  few C calls (the run without its keys and whitespace, translated);
-- top-level keys: groups ``s``/``m`` mark where the last ``"stream"``/``"model"`` value starts.
+``pause`` runs between 256 KiB (STEP_BYTES) of the UTF-8 and depth checks and before the msgspec
+call, which is the longest block: ~10-30 ms for 8 MiB (``python -m bench.jsonscan_bench``,
+docs/benchmarks.md). Memory: ~130 KiB whatever the body (a copy of it for lone surrogates).
 
-Python runs once per run, not per byte. step() scans about STEP_BYTES (256 KiB) or STEP_EVENTS runs
-and returns; the callers yield to their loop between steps (``inspect_json_body(pause=...)``).
-UTF-8 is decoded (incrementally, 64 KiB at a time) a step ahead of the grammar.
-
-Cost (``python -m bench.jsonscan_bench``, 2 shared cores; docs/benchmarks.md): a step takes at most
-~40 ms of CPU (a single token, e.g. one 8 MiB string, is one C call of ~25 ms); CPU 3 ns a byte in
-long strings, 10-135 ns a byte for dense small values, chains and deep nesting (8 MiB of 62-deep
-brackets with a wrong closer: 0.94 s, was 2.2 s in one block), 11 ns a byte for a 94 KiB chat body.
-Each byte is matched a bounded number of times: a run that fails on an item is matched again by the
-handlers, within a slice (_SLICE), and a chain tries at most 16 splits. The costliest shape is dense
-items that branch where neither a small value nor a chain covers them (``[[1],[[[[[1]]]]]],...``):
-4-5 Python calls per item, ~0.9-1 µs a byte (7.3-8.2 s for 8 MiB; the old expression took 0.9 s), but
-in steps of ~10 ms. Callers bound the body size.
+:class:`JSONScanner`, the stepped pure-Python scanner that did the whole check before msgspec, is
+kept for the bench (the figures it replaced) and its tests; the gateway does not use it (it costs
+up to ~1 µs a byte on dense branched items, 8 s of CPU for 8 MiB). Its design: one pass, left to right, by a
+small state machine whose tokens are compiled expressions run by ``re`` in C, each on at most a
+slice of the body (``endpos``): runs of items (values nested at most _ATOM_LEVELS deep, or chains of
+openers, one such value and closers) and runs of openers or closers, each handled by Python at once
+on a stack of closer bytes; step() scans about STEP_BYTES or STEP_EVENTS runs and returns.
 
 Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
 
@@ -45,7 +43,9 @@ Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` p
   (``"str\\u0065am"`` is ``"stream"``); escaped lone surrogates (``"\\ud800"``) and UTF-8-encoded
   surrogates are accepted (``json.loads`` decodes bytes with ``surrogatepass``).
 - The first error from the left is the one reported, except that a run of openers going deeper than
-  the limit is a depth error even where a key follows a ``[`` (``{"a":["a":[...``), as before.
+  the limit is a depth error even where a key follows a ``[`` (``{"a":["a":[...``), as before, and
+  that invalid UTF-8 anywhere is reported before a grammar or depth error.
+- Reasons name a byte offset at most (msgspec's messages are reduced to theirs).
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ import codecs
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from json.decoder import scanstring
+
+import msgspec
 
 __all__ = ["BodyFacts", "InvalidJSON", "JSONScanner", "inspect_json_body", "DEFAULT_MAX_DEPTH",
            "DEFAULT_MAX_MODEL_CHARS", "STEP_BYTES"]
@@ -442,13 +445,234 @@ def inspect_json_body(body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
                       pause: Callable[[], object] | None = None) -> BodyFacts:
     """Check that ``body`` is one JSON object (RFC 8259, UTF-8) nested at most ``max_depth`` deep
     (the top-level object is depth 1), and return its top-level facts. Raises InvalidJSON.
-    ``pause`` is called between steps of about STEP_BYTES (``gevent.sleep`` on a loop that serves
-    other clients: a big body then blocks it for one step at a time, not for the whole scan)."""
-    scanner = JSONScanner(body, max_depth=max_depth, max_model_chars=max_model_chars)
-    while not scanner.step():
-        if pause is not None:
+    ``pause`` is called between steps of about STEP_BYTES of the UTF-8 and depth checks
+    (``gevent.sleep`` on a loop that serves other clients); the grammar check is one C call
+    (msgspec, ~5 ns a byte: ~40 ms for 8 MiB)."""
+    if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
+        raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
+    if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
+        body = body.cast("B")
+    first = _NOT_WS.search(body)
+    if first is None:
+        raise InvalidJSON("empty body", "empty")
+    if body[first.start()] != 0x7B:  # '{': msgspec would skip a BOM-less array too, and say why in its words
+        raise InvalidJSON("body must be a JSON object", "not_object")
+    _check_utf8(body, pause)  # msgspec does not check UTF-8 in the strings it skips
+    end = len(body)
+    # Deeper than max_depth needs more openers than that: counting them is a C loop at memory speed.
+    if _openers(body) > max_depth:
+        deep_at, _ = _depth_scan(body, end, max_depth, pause)
+        end = end if deep_at < 0 else deep_at
+    if pause is not None and len(body) > STEP_BYTES:
+        pause()  # the C call below is a block of its own (~2-5 ns a byte)
+    try:
+        return _facts_of(_decode(body, body, end, max_depth, pause), max_model_chars)
+    except InvalidJSON:
+        if _ESCAPED_SURROGATE.search(body) is None:
+            raise
+    # msgspec refuses escaped lone surrogates ("\\ud800"), json.loads accepts them: msgspec checks a
+    # copy where they are escapes of other characters (same length, same offsets; C loops).
+    lower = _without_surrogates(body, b"0", b"1", pause)
+    parsed = _decode(lower, body, end, max_depth, pause)
+    model = parsed.model
+    raw = memoryview(b"") if model is msgspec.UNSET else memoryview(model)
+    if len(raw) <= 12 * max_model_chars + 2 and b"\\" in bytes(raw):  # longer is never a short string
+        # The model's own text: where a second copy differs, the body had d or D.
+        other = _decode(_without_surrogates(body, b"2", b"3", pause), body, end, max_depth, pause).model
+        restored = bytes(a if a == b else (0x64 if a == 0x30 else 0x44)
+                         for a, b in zip(raw, memoryview(other), strict=True))
+        parsed = _Facts(model=msgspec.Raw(restored), stream=parsed.stream)
+    return _facts_of(parsed, max_model_chars)
+
+
+def _decode(body: Body, original: Body, end: int, max_depth: int, pause: Callable[[], object] | None) -> _Facts:
+    """msgspec on ``body[:end]``, its errors as ours."""
+    try:
+        # Only up to the first opener too deep: msgspec then recurses at most max_depth + 1 levels
+        # (it has no depth limit of its own), and an error to the left of it is still the one reported.
+        parsed = _DECODER.decode(memoryview(body)[:end])
+    except msgspec.DecodeError as exc:
+        if end < len(body) and str(exc) == _TRUNCATED:
+            raise _too_deep(max_depth, end) from None
+        raise _from_msgspec(exc, original, max_depth, pause) from None
+    except RecursionError:  # not expected (msgspec sees at most max_depth + 1 levels); never escape
+        raise InvalidJSON(f"JSON nested deeper than {max_depth} levels", "depth") from None
+    if end < len(body):  # cannot happen: a prefix cut at an inner opener leaves the top level open
+        raise _too_deep(max_depth, end)
+    return parsed
+
+
+def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[[], object] | None) -> bytearray:
+    r"""The body with ``\ud8..``-``\udf..`` escapes as ``\u{lower}8..`` (``\uD`` as ``upper``), a
+    4 KiB piece at a time (re.sub keeps a piece per match until it joins them). A piece never ends
+    within the 3 bytes after a backslash, so no escape is cut."""
+    out, p, n = bytearray(), 0, len(body)
+    while p < n:
+        cut = min(n, p + max(_DEPTH_CHUNK, 8))  # > 3: a piece always moves on
+        if cut < n:
+            back = bytes(body[cut - 3:cut]).rfind(b"\\")
+            cut = cut - 3 + back if back >= 0 else cut
+        piece = _SURROGATE_LOWER.sub(b"\\\\u" + lower, bytes(body[p:cut]))
+        out += _SURROGATE_UPPER.sub(b"\\\\u" + upper, piece)
+        if pause is not None and p // STEP_BYTES != cut // STEP_BYTES:
+            pause()  # then msgspec's call, on the copy
+        p = cut
+    return out  # msgspec reads any buffer: no second copy
+
+
+def _too_deep(max_depth: int, at: int) -> InvalidJSON:
+    return InvalidJSON(f"JSON nested deeper than {max_depth} levels at byte {at}", "depth")
+
+
+class _Facts(msgspec.Struct):
+    """What msgspec keeps of a body: the raw bytes of the last top-level "model" and "stream" values
+    (last wins, keys compared by their decoded text, like json.loads); other fields are skipped
+    without building anything. UNSET tells an absent key from a null."""
+
+    model: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    stream: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_DECODER = msgspec.json.Decoder(_Facts)
+_TRUNCATED = "Input data was truncated"
+_BYTE_OFFSET = re.compile(r"\(byte (\d+)\)")
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_LOWER = re.compile(rb"\\ud(?=[89a-fA-F])")
+_SURROGATE_UPPER = re.compile(rb"\\uD(?=[89a-fA-F])")
+_STRING_ANY = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.S)  # a string whose escapes msgspec checked
+# Complete strings and other bytes up to endpos: a cut that is never inside a string.
+_UP_TO_A_CUT_STRING = re.compile(rb'(?:[^"]++|"[^"\\]*+(?:\\.[^"\\]*+)*+")*+', re.S)
+_UP_TO_A_BRACKETED_STRING = re.compile(rb'(?:[^"]++|"[^"\\\[\]{}]*+(?:\\.[^"\\\[\]{}]*+)*+")*+', re.S)
+_STRUCTURE = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|[\[\]{}]', re.S)
+# re.sub keeps a piece per string until it joins them (~200 bytes each): small chunks bound that.
+_DEPTH_CHUNK = 4096
+_DEPTH_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as signed bytes
+
+
+def _openers(body: Body) -> int:
+    if not isinstance(body, memoryview):
+        return body.count(b"[") + body.count(b"{")
+    pieces = (bytes(body[at:at + _UTF8_PIECE]) for at in range(0, len(body), _UTF8_PIECE))  # no copy of it all
+    return sum(piece.count(b"[") + piece.count(b"{") for piece in pieces)
+
+
+def _depth_scan(body: Body, end: int, max_depth: int, pause: Callable[[], object] | None) -> tuple[int, int]:
+    """The offset of the first opener before ``end`` deeper than max_depth (-1: none), and the depth
+    at ``end``. A chunk at a time (at most STEP_BYTES, cut outside strings): strings removed
+    (re.sub), brackets kept as +1/-1 (translate), the maximum of their running sum
+    (itertools.accumulate over small ints: nothing allocated) - all C loops. Exact wherever the body
+    is valid JSON so far; past an error it may be wrong, but msgspec reports that error, which comes
+    first."""
+    p, depth, since_pause = 0, 0, 0
+    while p < end:
+        if since_pause >= STEP_BYTES and pause is not None:
             pause()
-    return scanner.facts()
+            since_pause = 0
+        limit = min(end, p + _DEPTH_CHUNK)
+        # Strings without brackets can stay (translate drops them); re.sub (a piece per string) only
+        # from the first string with a bracket in it.
+        plain = _UP_TO_A_BRACKETED_STRING.match(body, p, limit).end()
+        cut = _UP_TO_A_CUT_STRING.match(body, plain, limit).end()
+        if cut == p:  # a string longer than a chunk (one C call), or a malformed one: msgspec says
+            string = _STRING_ANY.match(body, p, end)
+            if string is None:
+                return -1, depth
+            since_pause += string.end() - p
+            p = string.end()
+            continue
+        chunk = bytes(body[p:plain])
+        if cut > plain:
+            chunk += _STRING_ANY.sub(b"", bytes(body[plain:cut]))
+        steps = chunk.translate(_DEPTH_STEPS, _NOT_BRACKETS)  # deletes first, then maps
+        if steps and max(accumulate(memoryview(steps).cast("b"), initial=depth)) > max_depth:
+            return _nth_deep_opener(body, p, depth, max_depth), depth
+        depth += steps.count(1) - steps.count(255)
+        since_pause += cut - p
+        p = cut
+    return -1, depth
+
+
+def _nth_deep_opener(body: Body, p: int, depth: int, max_depth: int) -> int:
+    """Where, from ``p`` at ``depth``, the first opener deeper than max_depth is (once per body)."""
+    for token in _STRUCTURE.finditer(body, p):
+        c = body[token.start()]
+        if c in (0x5B, 0x7B):
+            depth += 1
+            if depth > max_depth:
+                return token.start()
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return len(body)
+
+
+def _loose_too_deep(body: Body, at: int, max_depth: int, pause: Callable[[], object] | None) -> int:
+    """For a syntax error at ``at``: the opener too deep (else -1) when the error is in a run of
+    openers that a key follows after a '[' too (``{"a":["a":[...``): such a run deeper than the
+    limit has always been a depth error (the stepped scanner's rule, kept)."""
+    window = max(0, at - _SLICE)
+    last = bytes(body[window:at]).rfind(b"[")
+    if last < 0:
+        return -1
+    start = window + last
+    run_end = _LOOSE_OPENERS.match(body, start).end()
+    if run_end <= at:  # the error is not inside the run
+        return -1
+    run = len(_closers_of(bytes(body[start:run_end])))
+    if run < max_depth:  # the run alone is not too deep: the depth before it decides
+        _, depth = _depth_scan(body, start, max_depth, pause)
+    else:
+        depth = 1  # the top-level object at least: no need to scan
+    if depth + run <= max_depth:
+        return -1
+    p = start
+    for _ in range(max_depth - depth):
+        p = _ONE_OPENER.match(body, p).end()
+    return p
+
+
+def _check_utf8(body: Body, pause: Callable[[], object] | None) -> None:
+    # In pieces: the decoded text is never large. Decoding ASCII runs at memory speed.
+    # surrogatepass: like json.loads, which decodes bytes so.
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
+    view, since_pause = memoryview(body), 0
+    try:
+        for offset in range(0, len(body), _UTF8_PIECE):
+            if since_pause >= STEP_BYTES and pause is not None:
+                pause()
+                since_pause = 0
+            decoder.decode(view[offset:offset + _UTF8_PIECE], False)
+            since_pause += _UTF8_PIECE
+        decoder.decode(b"", True)
+    except UnicodeDecodeError:
+        raise InvalidJSON("body is not valid UTF-8", "utf8") from None
+
+
+def _from_msgspec(exc: msgspec.DecodeError, body: Body, max_depth: int,
+                  pause: Callable[[], object] | None) -> InvalidJSON:
+    """msgspec's error as ours. Its messages say what was expected and a byte offset at most (no
+    body content); we keep only the offset."""
+    message = str(exc)
+    found = _BYTE_OFFSET.search(message)
+    if found is None:  # "Input data was truncated"
+        return InvalidJSON("body is not valid JSON: it ends early")
+    at = int(found.group(1))
+    if "trailing characters" in message:
+        return InvalidJSON(f"unexpected data after the JSON object at byte {at}", "trailing")
+    deep_at = _loose_too_deep(body, at, max_depth, pause)
+    if deep_at >= 0:
+        return _too_deep(max_depth, deep_at)
+    return InvalidJSON(f"body is not valid JSON at byte {at}")
+
+
+def _facts_of(parsed: _Facts, max_model_chars: int) -> BodyFacts:
+    stream, model = parsed.stream, parsed.model
+    is_true = stream is not msgspec.UNSET and bytes(memoryview(stream)[:5]) == b"true"  # Raw has no whitespace
+    text = None
+    if model is not msgspec.UNSET:
+        raw = memoryview(model)
+        if raw[:1] == b'"':
+            text = _short_string(raw, 0, max_model_chars)
+    return BodyFacts(stream=is_true, model=text, has_model=model is not msgspec.UNSET)
 
 
 def _short_string(body: Body, at: int, max_chars: int) -> str | None:

@@ -212,6 +212,12 @@ def test_hostile_depth_is_refused_fast_without_recursion() -> None:
         assert time.perf_counter() - start < 0.5
 
 
+def test_brackets_in_strings_do_not_count() -> None:
+    strings = b'"' + b"[{" * 200 + b'\\"]", "x\\\\", "' + b"]}" * 300 + b'"'
+    assert facts(b'{"a":[' + strings + b'],"b":[[' + strings + b"]]," + b'"model":"[["}', max_depth=3).model == "[["
+    refused(b'{"a":[' + strings + b',[[[1]]]]}', "depth", max_depth=3)
+
+
 def test_a_syntax_error_before_the_depth_limit_is_a_syntax_error() -> None:
     refused(b'{"a":[1 2,' + b"[" * 200, "syntax")
 
@@ -401,12 +407,13 @@ def test_tokens_cut_by_any_step_or_slice_give_the_same_answer(monkeypatch: pytes
 def test_agrees_with_json_loads_in_tiny_steps(body: bytes, step: int, slice_: int) -> None:
     from gateway import jsonscan
 
-    saved = jsonscan.STEP_BYTES, jsonscan._SLICE
-    jsonscan.STEP_BYTES, jsonscan._SLICE = step, slice_
+    saved = jsonscan.STEP_BYTES, jsonscan._SLICE, jsonscan._DEPTH_CHUNK
+    # _DEPTH_CHUNK: the depth scan's chunks then end inside strings, escapes and numbers too.
+    jsonscan.STEP_BYTES, jsonscan._SLICE, jsonscan._DEPTH_CHUNK = step, slice_, slice_
     try:
         assert scan(body) == oracle(body)
     finally:
-        jsonscan.STEP_BYTES, jsonscan._SLICE = saved
+        jsonscan.STEP_BYTES, jsonscan._SLICE, jsonscan._DEPTH_CHUNK = saved
 
 
 @pytest.mark.parametrize("name,body", [
@@ -418,6 +425,10 @@ def test_agrees_with_json_loads_in_tiny_steps(body: bytes, step: int, slice_: in
 def test_a_step_is_bounded_whatever_the_body(name: str, body: bytes) -> None:
     """The caller yields between steps: no step may hold its loop long (the old expression held it
     for up to 2 s on 8 MiB). Generous bound: the machine is shared; the bench has the figures."""
+    try:  # the stepped scanner compiles its expressions on first use (~0.3 s): not a step's cost
+        inspect_stepped(body[:STEP_BYTES * 3])
+    except InvalidJSON:
+        pass
     scanner = JSONScanner(body)
     longest, steps, done = 0.0, 0, False
     while not done:
@@ -430,6 +441,61 @@ def test_a_step_is_bounded_whatever_the_body(name: str, body: bytes) -> None:
         steps += 1
     assert steps >= len(body) // STEP_BYTES // 2, (name, steps)
     assert longest < 0.1, (name, longest)
+
+
+def inspect_stepped(body: bytes) -> BodyFacts:
+    scanner = JSONScanner(body)
+    while not scanner.step():
+        pass
+    return scanner.facts()
+
+
+@pytest.mark.parametrize("name,body", [
+    ("62-deep chains, a wrong closer at the end", fill(b'{"a":[', b"[" * 61 + b"]" * 61 + b",", b"1}}", 8 * MIB)),
+    ("branched items", fill(b'{"a":[', b"[[1],[[[[[1]]]]]],", b"1]}", 8 * MIB)),
+    ("129 deep at the end", fill(b'{"a":[', b"[[[[[1]]]]],", b"[" * 127, 8 * MIB)),
+    ("branched, a lone escaped surrogate", fill(b'{"a":[', b"[[1],[[[[[1]]]]]],", b'"\\ud800"]}', 8 * MIB)),
+])
+def test_the_loop_is_blocked_briefly_whatever_the_body(name: str, body: bytes) -> None:
+    """inspect_json_body: between two calls of ``pause``, a chunk of the UTF-8 or depth check or
+    the one msgspec call (~2-5 ns a byte). Generous bound: the machine is shared."""
+    longest, last = 0.0, time.perf_counter()
+
+    def pause() -> None:
+        nonlocal longest, last
+        longest = max(longest, time.perf_counter() - last)
+        last = time.perf_counter()
+
+    started = time.perf_counter()
+    try:
+        inspect_json_body(body, pause=pause)
+    except InvalidJSON:
+        pass
+    longest = max(longest, time.perf_counter() - last)
+    assert longest < 0.1, (name, longest)
+    assert time.perf_counter() - started < 2.0, name  # the stepped scanner took 8 s for branched items
+
+
+def test_msgspec_recursion_is_bounded_by_the_depth_scan() -> None:
+    """msgspec has no depth limit (it raises RecursionError past Python's limit): it only ever sees
+    the body up to the first opener too deep, so even 100,000 levels are a depth error, never a
+    RecursionError, whatever the limit (up to 512)."""
+    import msgspec
+
+    deep = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(RecursionError):
+        msgspec.json.decode(deep)  # what would happen without the depth scan (no crash either)
+    for max_depth in (1, 128, 512):
+        assert refused(deep, "depth", max_depth=max_depth).reason.startswith(f"JSON nested deeper than {max_depth}")
+    facts(b'{"a":' + b"[" * 511 + b"]" * 511 + b"}", max_depth=512)
+
+
+def test_lone_escaped_surrogates_like_json_loads() -> None:
+    """msgspec refuses them; a copy with other escapes in their place is checked instead."""
+    body = b'{"x":"\\udc00","model":"a\\uD83Db\\u0800\\\\ud800","stream":true}'
+    assert facts(body) == BodyFacts(stream=True, model=json.loads(body)["model"], has_model=True)
+    refused(b'{"x":"\\ud800" "model":1}', "syntax")
+    refused(b'{"x":"\\ud800","a":' + b"[" * 200 + b"]" * 200 + b"}", "depth")
 
 
 def test_pause_is_called_between_steps() -> None:
