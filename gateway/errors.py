@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["GatewayError", "error_body", "sse_error_frame", "ERRORS", "NO_RETRY"]
+__all__ = ["GatewayError", "error_body", "sse_error_frame", "backend_failure", "ERRORS", "NO_RETRY"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,10 @@ ERRORS: dict[str, GatewayError] = {
     "backend_failure": GatewayError(
         502, "backend_error", "backend_failure", "The model backend failed while serving the request."
     ),
+    "upstream_protocol_error": GatewayError(
+        502, "backend_error", "upstream_protocol_error",
+        "The model backend answered with a response the gateway cannot relay (not valid HTTP/1.1 framing).",
+    ),
     "activation_timeout": GatewayError(
         504, "activation_timeout", "activation_timeout",
         "The model backend did not become ready before the activation timeout.",
@@ -100,6 +104,12 @@ ERRORS: dict[str, GatewayError] = {
 # A body cut for arriving below the minimum rate would be as slow again: the SDK retries a 408 unless
 # told not to, and each retry re-uploads the whole body.
 NO_RETRY = frozenset({"activation_timeout", "client_too_slow"})
+
+
+def backend_failure(reason: str | None) -> str:
+    """The answer's name for a backend that failed: its response refused as malformed (``reason``,
+    one of ``gateway.wire.PROTOCOL_ERRORS``) or any other failure (a read failed, it closed)."""
+    return "backend_failure" if reason is None else "upstream_protocol_error"
 
 
 def error_body(error: GatewayError) -> bytes:

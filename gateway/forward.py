@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 
-from gateway.errors import ERRORS, sse_error_frame
+from gateway.errors import ERRORS, backend_failure, sse_error_frame
 from gateway.metrics import GatewayMetrics
 from gateway.relay import UpstreamConnection, UpstreamFailed, UpstreamPool, read_more
 from gateway.server import ClientConnection, ClientGone
@@ -115,7 +115,7 @@ class ClientRelay:
             return False
         log.warning("backend failed mid-response", extra={"detail": str(exc)})
         if response.is_sse and chunked:
-            conn.send(chunk(sse_error_frame(ERRORS["backend_failure"])) + LAST_CHUNK)
+            conn.send(chunk(sse_error_frame(ERRORS[backend_failure(exc.reason)])) + LAST_CHUNK)
             return not close
         conn.gone = True  # committed non-SSE body: an abrupt close is the only honest signal
         return False
@@ -151,8 +151,8 @@ class ClientRelay:
                         break  # close-delimited body: EOF is its end
                     upstream.close()
                     raise UpstreamFailed("backend closed mid-body")
-        except UpstreamFailed:
-            yield sse_error_frame(ERRORS["backend_failure"])
+        except UpstreamFailed as exc:
+            yield sse_error_frame(ERRORS[backend_failure(exc.reason)])
             return
         except BaseException:  # the client left (the generator is closed) or a bug: never pool it
             upstream.close()

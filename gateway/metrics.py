@@ -4,8 +4,8 @@ Each worker counts into its own row of the Pod's shared memory (``gateway.state.
 float64 store per counter increment, no lock, no per-label dictionary, so counting costs the warm
 path almost nothing. ``/metrics``, served by whichever worker the scrape reaches, sums every row,
 so a scrape always sees the Pod's totals. Exposition uses prometheus-client's own families and
-text format. Labels are bounded enums only: status code, rejection reason - never a path, a model
-name from the request, a client address or a key.
+text format. Labels are bounded enums only: status code, rejection reason, protocol error reason - never
+a path, a model name from the request, a client address, a key or text a backend sent.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from gateway.state.pod import (
     ROW_CELLS,
     PodState,
 )
+from gateway.wire import PROTOCOL_ERRORS
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -61,7 +62,8 @@ _PHASES = _TTFB + len(TTFB_BUCKETS) + 4
 _PHASE_STRIDE = len(PHASE_BUCKETS) + 4
 _TTFT = _PHASES + len(ACTIVATION_PHASES) * _PHASE_STRIDE
 _TTFT_STRIDE = len(TTFT_BUCKETS) + 4
-_END = _TTFT + len(TTFT_STARTS) * _TTFT_STRIDE
+_PROTOCOL = _TTFT + len(TTFT_STARTS) * _TTFT_STRIDE
+_END = _PROTOCOL + len(PROTOCOL_ERRORS)
 assert _END <= ROW_CELLS and len(REJECTION_REASONS) <= _COLD - _REASONS
 
 
@@ -117,6 +119,7 @@ class GatewayMetrics:
                        for i, phase in enumerate(ACTIVATION_PHASES)}
         self.ttft_warm, self.ttft_cold = (Histogram(cells, base + _TTFT + i * _TTFT_STRIDE, TTFT_BUCKETS)
                                           for i in range(len(TTFT_STARTS)))
+        self._protocol = {reason: Counter(cells, base + _PROTOCOL + i) for i, reason in enumerate(PROTOCOL_ERRORS)}
         self._accelerators = accelerators
         self._registry: CollectorRegistry | None = None
 
@@ -138,6 +141,10 @@ class GatewayMetrics:
 
     def reject(self, reason: str) -> None:
         self._reasons[reason].inc()
+
+    def upstream_protocol_error(self, reason: str) -> None:
+        """A backend response refused as malformed (``reason`` from ``gateway.wire.PROTOCOL_ERRORS``)."""
+        self._protocol[reason].inc()
 
     def set_backend_ready(self, ready: bool) -> None:
         self.row.set_flag(BACKEND_READY, ready)
@@ -205,6 +212,12 @@ class _PodCollector:
         for i, reason in enumerate(REJECTION_REASONS):
             rejections.add_metric([reason], self.pod.total(_REASONS + i))
         yield rejections
+        protocol = CounterMetricFamily("noctaya_gateway_upstream_protocol_errors",
+                                       "Backend responses refused as malformed (answered 502 or cut off), by reason.",
+                                       labels=["reason"])
+        for i, reason in enumerate(PROTOCOL_ERRORS):
+            protocol.add_metric([reason], self.pod.total(_PROTOCOL + i))
+        yield protocol
         yield CounterMetricFamily("noctaya_gateway_cold_requests", "Requests admitted while the backend was not ready.",
                                   value=self.pod.total(_COLD))
         yield GaugeMetricFamily("noctaya_gateway_queue_depth", "Admitted requests waiting for the backend.",

@@ -124,7 +124,13 @@ class ConnectFailed(Exception):
 
 
 class UpstreamFailed(Exception):
-    """The backend failed after bytes of the request reached it: answer 502, never replay."""
+    """The backend failed after bytes of the request reached it: answer 502, never replay.
+    ``reason`` is the protocol error's (``gateway.wire.PROTOCOL_ERRORS``) when its answer was not
+    HTTP the gateway can relay, else None (a read failed or the backend closed)."""
+
+    def __init__(self, detail: str, reason: str | None = None) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 RESOLVE_SECONDS = 5.0
@@ -144,10 +150,12 @@ class UpstreamConnection:
     """One keep-alive connection to the backend. ``deadline`` (monotonic) bounds the current
     blocking operation; the watchdog shuts the socket down once it passes."""
 
-    __slots__ = ("sock", "raw", "parser", "deadline", "idle_timeout", "broken", "_poll", "reader")
+    __slots__ = ("sock", "raw", "parser", "deadline", "idle_timeout", "broken", "_poll", "reader", "on_protocol_error")
 
-    def __init__(self, sock: gevent.socket.socket, idle_timeout: float) -> None:
+    def __init__(self, sock: gevent.socket.socket, idle_timeout: float,
+                 on_protocol_error: Callable[[str], None] | None = None) -> None:
         self.sock = sock
+        self.on_protocol_error = on_protocol_error  # called with the reason of a refused response
         self.raw: std_socket.socket = sock._sock  # the OS socket under gevent's wrapper
         self.parser = UpstreamParser()
         self.deadline = INF
@@ -184,15 +192,18 @@ class UpstreamConnection:
 
 
 class UpstreamPool:
-    """LIFO pool of idle keep-alive connections to one backend (at most ``max_idle``)."""
+    """LIFO pool of idle keep-alive connections to one backend (at most ``max_idle``).
+    ``on_protocol_error`` is called with the reason whenever a response on one of its connections
+    is refused as malformed (the app counts them)."""
 
     def __init__(self, host: str, port: int, *, connect_timeout: float, idle_timeout: float,
-                 max_idle: int = 256) -> None:
+                 max_idle: int = 256, on_protocol_error: Callable[[str], None] | None = None) -> None:
         self.host = host
         self.port = port
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle = max_idle
+        self.on_protocol_error = on_protocol_error
         self._idle: deque[UpstreamConnection] = deque()
         self._closed = False
         self._address: tuple[str, int] | None = None
@@ -224,7 +235,7 @@ class UpstreamPool:
             sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        return UpstreamConnection(sock, self.idle_timeout)
+        return UpstreamConnection(sock, self.idle_timeout, self.on_protocol_error)
 
     def acquire(self) -> UpstreamConnection:
         idle = self._idle
@@ -282,6 +293,15 @@ def _fail(conn: UpstreamConnection, what: str, exc: BaseException | None = None)
     return UpstreamFailed(detail)
 
 
+def _refuse(conn: UpstreamConnection, what: str, exc: UpstreamProtocolError) -> UpstreamFailed:
+    """A response that is not HTTP the gateway can relay: counted, its connection closed (whatever
+    follows on it cannot be framed)."""
+    conn.close()
+    if conn.on_protocol_error is not None:
+        conn.on_protocol_error(exc.reason)
+    return UpstreamFailed(f"{what}: {exc.reason}", exc.reason)
+
+
 def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"", *,
                  clock: Callable[[], float]) -> None:
     """Write the request head and its body (received whole before any slot was taken). Raises
@@ -307,8 +327,10 @@ def send_request(conn: UpstreamConnection, head: bytes, body: bytes = b"", *,
 
 def read_response_head(conn: UpstreamConnection, client: ClientConnection | None, *,
                        clock: Callable[[], float]) -> ResponseHead:
-    """Block until the backend's response head arrived. While waiting, ``client`` is marked as
-    waiting on the backend, so the watchdog can arm a hang-up watcher for slow answers."""
+    """Block until the backend's final response head arrived. While waiting, ``client`` is marked as
+    waiting on the backend, so the watchdog can arm a hang-up watcher for slow answers. One deadline
+    covers the whole wait, interim (1xx) heads included: they do not extend it, and past the
+    parser's bound on them the answer is refused (UpstreamFailed with a ``reason``)."""
     parser = conn.parser
     sock = conn.sock
     if client is not None:
@@ -325,7 +347,7 @@ def read_response_head(conn: UpstreamConnection, client: ClientConnection | None
             try:
                 parser.feed(data)
             except UpstreamProtocolError as exc:
-                raise _fail(conn, "malformed response", exc) from None
+                raise _refuse(conn, "malformed response", exc) from None
         return parser.head
     finally:
         conn.deadline = INF
@@ -347,7 +369,7 @@ def read_more(conn: UpstreamConnection, clock: Callable[[], float]) -> bool:
     try:
         conn.parser.feed(data)
     except UpstreamProtocolError as exc:
-        raise _fail(conn, "malformed response body", exc) from None
+        raise _refuse(conn, "malformed response body", exc) from None
     return True
 
 

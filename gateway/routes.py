@@ -30,7 +30,7 @@ from gateway import metrics as metrics_module
 from gateway.activation import Activation
 from gateway.auth import KeyFileAuthenticator
 from gateway.config import GatewayConfig
-from gateway.errors import ERRORS, NO_RETRY, GatewayError, error_body, sse_error_frame
+from gateway.errors import ERRORS, NO_RETRY, GatewayError, backend_failure, error_body, sse_error_frame
 from gateway.forward import ClientRelay
 from gateway.metrics import REJECTION_REASONS, GatewayMetrics
 from gateway.policy import InvalidJSON, inspect_cold_body, route
@@ -201,6 +201,7 @@ class GatewayApp(AnswersHere):
             config.backend_host, config.backend_port,
             connect_timeout=config.upstream_connect_timeout_seconds,
             idle_timeout=config.upstream_idle_timeout_seconds,
+            on_protocol_error=self.metrics.upstream_protocol_error,
         )
         self.relay = ClientRelay(self.pool, self.metrics, clock)
         self.activation = Activation(
@@ -390,7 +391,7 @@ class GatewayApp(AnswersHere):
         if conn.gone:
             return False
         log.warning("backend failed before answering", extra={"detail": str(exc)})
-        return self._error(conn, "backend_failure")
+        return self._error(conn, backend_failure(exc.reason))
 
     # -- warm path ---------------------------------------------------------------------------------
     def _warm(self, conn: ClientConnection, head: RequestHead, body: RequestBody) -> bool:
@@ -523,8 +524,8 @@ class GatewayApp(AnswersHere):
         def attempt() -> cold.Retry | Iterator[bytes]:
             try:
                 result = self._attempt(conn, head, body, ticket)
-            except UpstreamFailed:
-                return iter([sse_error_frame(ERRORS["backend_failure"])])
+            except UpstreamFailed as exc:
+                return iter([sse_error_frame(ERRORS[backend_failure(exc.reason)])])
             if result is None:
                 return cold.RETRY
             return self.relay.into_committed_stream(conn, *result, self._first_byte)

@@ -9,6 +9,14 @@ Limits enforced here (the parser itself has none): request target <= ``MAX_TARGE
 header count and total head size (431). Everything llhttp rejects - a bad request line, a header
 without a colon, a NUL in a value, a bad chunk size, an HTTP/2 preface - is a :class:`BadRequest`
 (400), answered by the gateway and never forwarded.
+
+A backend's response is held to the same kind of bounds (:class:`UpstreamProtocolError`, a 502):
+each head, interim (1xx) or final, within ``MAX_RESPONSE_HEAD_BYTES`` and ``MAX_RESPONSE_HEADERS``
+lines, at most ``MAX_INTERIM_RESPONSES`` interim heads before the final one (each discarded once
+parsed, never buffered), no 101, a status in 100-599, and RFC 9112 framing the gateway can relay:
+``Transfer-Encoding`` exactly ``chunked`` or absent. llhttp itself refuses Content-Length together
+with Transfer-Encoding, duplicate or non-numeric Content-Length, and a status line without three digits.
+Bytes read after the end of a response are dropped, never parsed as another one.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import httptools
 
 __all__ = [
     "BadRequest", "RequestHead", "ClientParser", "ResponseHead", "UpstreamParser", "UpstreamProtocolError",
-    "HOP_BY_HOP", "MAX_TARGET_BYTES", "MAX_HEAD_BYTES", "MAX_HEADERS", "response_head", "connection_tokens",
+    "HOP_BY_HOP", "MAX_TARGET_BYTES", "MAX_HEAD_BYTES", "MAX_HEADERS", "MAX_RESPONSE_HEAD_BYTES",
+    "MAX_RESPONSE_HEADERS", "MAX_INTERIM_RESPONSES", "PROTOCOL_ERRORS", "response_head", "connection_tokens",
     "chunk", "LAST_CHUNK",
 ]
 
@@ -32,6 +41,14 @@ MAX_HEADERS = 100
 # Guard on raw bytes of a head still incomplete after a read (llhttp buffers a partial header line
 # itself): the request line and header limits above, plus slack for the line ends.
 _MAX_RAW_HEAD = MAX_TARGET_BYTES + MAX_HEAD_BYTES + 1024
+# A backend's heads get twice a client's room (engines add their own headers), each counted alone:
+# raw bytes from the status line to the blank line, and header lines.
+MAX_RESPONSE_HEAD_BYTES = MAX_HEAD_BYTES * 2
+MAX_RESPONSE_HEADERS = MAX_HEADERS * 2
+# Interim (1xx) heads skipped before the final one. Each is dropped once parsed, so this bounds time
+# and work, not memory: without it a backend could answer ``102 Processing`` forever. 100 Continue,
+# 102 and 103 Early Hints are the ones in use; a handful per request is plenty.
+MAX_INTERIM_RESPONSES = 16
 
 # Headers that describe one hop, never forwarded in either direction (RFC 9110 §7.6.1).
 HOP_BY_HOP = frozenset({
@@ -59,8 +76,28 @@ class BadRequest(Exception):
         self.code = code
 
 
+# Why a backend's response was refused: a fixed set (a metric's label values), never backend text.
+PROTOCOL_ERRORS = (
+    "malformed",  # llhttp refused it (syntax, Content-Length, chunk framing)
+    "head_too_large",  # a head over MAX_RESPONSE_HEAD_BYTES or MAX_RESPONSE_HEADERS
+    "too_many_interim",  # more than MAX_INTERIM_RESPONSES 1xx heads
+    "switching_protocols",  # 101: the gateway never asks for an upgrade
+    "invalid_status",  # a status outside 100-599, or not three digits
+    "transfer_coding",  # a Transfer-Encoding other than exactly chunked (or any, in HTTP/1.0)
+)
+
+
 class UpstreamProtocolError(Exception):
-    """The backend's response is not valid HTTP/1.1."""
+    """The backend's response is not HTTP/1.1 the gateway can relay; ``reason`` is one of
+    ``PROTOCOL_ERRORS``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _AfterTheEnd(Exception):
+    """Stops llhttp at bytes that follow a complete response (see UpstreamParser.on_message_begin)."""
 
 
 def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
@@ -249,13 +286,15 @@ class ResponseHead:
 
 
 class UpstreamParser:
-    """Parses one backend response at a time (informational 1xx heads are skipped).
+    """Parses one backend response at a time (interim 1xx heads are counted and dropped).
 
     llhttp validates the whole message and frames the body; the head's header lines are read in
     one pass from the raw bytes once llhttp has accepted them, instead of one Python callback per
-    header (a measurable share of the warm path)."""
+    header (a measurable share of the warm path). Until the final head has arrived, ``_raw`` holds
+    the bytes of the head being received and nothing before it: parsed interim heads are dropped
+    after every read, so a backend that keeps sending them holds at most one head here."""
 
-    __slots__ = ("_parser", "head", "body", "complete", "_raw", "_scan")
+    __slots__ = ("_parser", "head", "body", "complete", "_raw", "_scan", "_interim", "_error")
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
@@ -264,18 +303,43 @@ class UpstreamParser:
         self.complete = False
         self._raw = b""  # bytes received while the head is incomplete
         self._scan = 0  # where the next head starts in _raw (after skipped 1xx heads)
+        self._interim = 0  # 1xx heads skipped before this response's final head
+        self._error: UpstreamProtocolError | None = None  # raised in a callback, re-raised by feed
+
+    @property
+    def held(self) -> int:
+        """Bytes of an incomplete head held between reads (bounded by MAX_RESPONSE_HEAD_BYTES)."""
+        return len(self._raw)
 
     def feed(self, data: bytes) -> None:
         if self.head is None:
             self._raw += data
-            if len(self._raw) > MAX_HEAD_BYTES * 2 and self._raw.find(b"\r\n\r\n", self._scan) < 0:
-                raise UpstreamProtocolError("response head too large")
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            if isinstance(exc.__context__, _AfterTheEnd):
+                return  # the response is whole; what followed it is dropped
+            raise (self._error or UpstreamProtocolError("malformed")) from None
         except httptools.HttpParserUpgrade:
-            raise UpstreamProtocolError("unexpected upgrade") from None
-        except httptools.HttpParserError as exc:
-            raise UpstreamProtocolError(type(exc).__name__) from None
+            raise UpstreamProtocolError("switching_protocols") from None
+        except httptools.HttpParserInvalidStatusError:
+            raise UpstreamProtocolError("invalid_status") from None
+        except httptools.HttpParserError:
+            raise UpstreamProtocolError("malformed") from None
+        if self.head is None:
+            self._keep_incomplete_head()
+
+    def _keep_incomplete_head(self) -> None:
+        if self._scan:  # interim heads parsed in this read: their bytes are not needed again
+            self._raw = self._raw[self._scan:]
+            self._scan = 0
+        if len(self._raw) > MAX_RESPONSE_HEAD_BYTES:  # llhttp buffers nothing: the bound is ours to keep
+            raise UpstreamProtocolError("head_too_large")
+
+    def _fail(self, reason: str) -> None:
+        """Refuse the response from inside an llhttp callback (feed re-raises the same error)."""
+        self._error = UpstreamProtocolError(reason)
+        raise self._error
 
     def _take_head_lines(self) -> list[bytes]:
         # llhttp has accepted the head, so it ends with CRLF CRLF (it refuses bare LF line ends and
@@ -283,13 +347,34 @@ class UpstreamParser:
         raw, start = self._raw, self._scan
         end = raw.find(b"\r\n\r\n", start)
         self._scan = end + 4
-        return raw[start:end].split(b"\r\n")
+        # Checked per head, complete or not: one read may hold a whole head larger than the bound.
+        if self._scan - start > MAX_RESPONSE_HEAD_BYTES:
+            self._fail("head_too_large")
+        lines = raw[start:end].split(b"\r\n")
+        if len(lines) > MAX_RESPONSE_HEADERS + 1:  # the status line and the header lines
+            self._fail("head_too_large")
+        return lines
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         lines = self._take_head_lines()
-        if 100 <= status < 200:
-            return  # informational: wait for the final head
+        if not 100 <= status <= 599:  # llhttp takes any three digits (RFC 9110 §15: 100-599)
+            self._fail("invalid_status")
+        if status < 200:
+            self._skip_interim(status)
+            return
+        self.head = self._final_head(status, lines)
+        self._raw = b""
+        self._scan = 0
+
+    def _skip_interim(self, status: int) -> None:
+        if status == 101:  # the gateway never sends Upgrade: the connection would stop being HTTP
+            self._fail("switching_protocols")
+        self._interim += 1
+        if self._interim > MAX_INTERIM_RESPONSES:
+            self._fail("too_many_interim")
+
+    def _final_head(self, status: int, lines: list[bytes]) -> ResponseHead:
         head = ResponseHead()
         head.status = status
         head.keep_alive = self._parser.should_keep_alive()
@@ -297,6 +382,7 @@ class UpstreamParser:
         head.reason = parts[2] if len(parts) > 2 else b""
         headers = head.headers
         kept = head.kept
+        codings: list[bytes] = []
         for line in lines[1:]:
             name, _, value = line.partition(b":")
             value = value.strip(b" \t")
@@ -309,18 +395,36 @@ class UpstreamParser:
                 elif lower == b"x-request-id":
                     head.request_id = value
             elif lower == b"content-length":
-                head.content_length = int(value)
+                head.content_length = int(value)  # llhttp has refused a second one and non-digits
             elif lower == b"transfer-encoding":
-                head.chunked = value.strip().lower().endswith(b"chunked")
+                codings.append(value)
             elif lower == b"connection" and value.lower() not in _PLAIN_CONNECTION:
                 head.has_connection = True
-        if len(headers) > MAX_HEADERS * 2:
-            raise UpstreamProtocolError("too many response headers")
-        if head.chunked:
-            head.content_length = None
-        self.head = head
-        self._raw = b""
-        self._scan = 0
+        if codings:
+            self._check_transfer_coding(codings)
+            head.chunked = True  # llhttp has refused Content-Length alongside Transfer-Encoding
+        return head
+
+    def _check_transfer_coding(self, values: list[bytes]) -> None:
+        """RFC 9112 §6.1: the gateway decodes chunked and nothing else, and it drops the backend's
+        Transfer-Encoding (hop-by-hop), so any other coding would reach the client as if it were the
+        content itself. chunked twice is forbidden, and Transfer-Encoding in an HTTP/1.0 message
+        means faulty framing."""
+        tokens = [t.strip().lower() for v in values for t in v.split(b",")]
+        # Empty list elements are allowed (RFC 9110 §5.6.1) before chunked, not after it: llhttp
+        # frames ``chunked ,`` as read-until-close, so it is refused rather than relayed as chunked.
+        if tokens[-1] != b"chunked" or any(tokens[:-1]) or self._parser.get_http_version() == "1.0":
+            self._fail("transfer_coding")
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes after the end of the response to the one request sent: never read as a response
+            # of their own (RFC 9112 §6.3), nor as more body (they would reach the client after the
+            # Content-Length it was given, as a response it never asked for). Dropped, and the
+            # connection is not reused.
+            assert self.head is not None
+            self.head.keep_alive = False
+            raise _AfterTheEnd
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -336,6 +440,8 @@ class UpstreamParser:
         self.complete = False
         self._raw = b""
         self._scan = 0
+        self._interim = 0
+        self._error = None
 
     def take_body(self) -> list[bytes]:
         body, self.body = self.body, []

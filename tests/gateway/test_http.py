@@ -109,7 +109,7 @@ def test_malformed_backend_response_is_a_502_json_error(make_gateway) -> None:
         for _ in range(2):
             resp = requests.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES},
                                  timeout=10)
-            assert resp.status_code == 502 and resp.json()["error"]["code"] == "backend_failure"
+            assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_protocol_error"
             assert resp.headers["x-request-id"]
         ok = requests.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=10)
         assert ok.status_code == 200 and ok.content == b"ok"  # and the gateway keeps serving
