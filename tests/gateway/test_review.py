@@ -75,6 +75,9 @@ class RawBackend:
         self.listener.close()
 
 
+LAST_CHUNK_MARK = b"\r\n0\r\n\r\n"  # the end of a chunked body (never the end of a head)
+
+
 def read_until(sock: socket.socket, marker: bytes, timeout: float) -> bytes:
     sock.settimeout(timeout)
     data = b""
@@ -164,7 +167,9 @@ def test_close_delimited_backend_answer_is_terminated_for_an_http11_client(make_
         with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as client:
             client.sendall(b"GET /v1/files/x HTTP/1.1\r\nHost: x\r\n\r\n")
             started = time.monotonic()
-            reply = read_until(client, b"0\r\n\r\n", 30)  # a whole-suite CI run once took over 5 s here
+            # The last chunk with the line end before it: "0\r\n\r\n" alone also ends every head whose
+            # X-Request-Id ends in 0 (one in 16), which cut this read short before the body.
+            reply = read_until(client, LAST_CHUNK_MARK, 30)
         head, _, body = reply.partition(b"\r\n\r\n")
         assert b"transfer-encoding: chunked" in head.lower()
         # The elapsed time tells a stall (about 30 s) from a cut connection (at once).
@@ -185,7 +190,7 @@ def test_backend_dying_inside_a_committed_cold_stream_sends_an_error_frame(backe
         opening = read_until(client, b"heartbeat", 10)
         assert opening.startswith(b"HTTP/1.1 200 ")  # committed as SSE while cold
         backend.start()
-        rest = read_until(client, b"0\r\n\r\n", 15)
+        rest = read_until(client, LAST_CHUNK_MARK, 15)
     assert b"chatcmpl-1" in rest  # the backend's first events were relayed
     assert b"event: error" in rest  # ... and its failure is told, not passed off as a clean end
 
