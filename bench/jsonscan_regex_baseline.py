@@ -25,16 +25,9 @@ small values (8 MiB of ``[0,0,...]``: ~0.35 s; a 100 KiB chat body: ~0.5 ms). Th
 is dense deep nesting: each container costs ~0.4 µs (the engine saves the per-level groups at every
 repetition), so 8 MiB of 120-deep ``[[[...]]]`` takes ~1.6 s. Callers bound the body size.
 
-Deliberate differences from ``json.loads`` (``tests/gateway/test_jsonscan.py`` pins them):
-
-- RFC 8259 only: ``NaN``/``Infinity``/``-Infinity`` are refused; so are a byte-order mark and
-  UTF-16/UTF-32 bodies (``json.loads`` sniffs those encodings); the body must be UTF-8.
-- Integers of more than 4,300 digits are accepted (``json.loads`` refuses them to bound
-  ``int()``'s cost; they are valid JSON and are never converted here).
-- The top level must be an object (OpenAI request bodies are).
-- Like ``json.loads``: the last of duplicate keys wins; escaped keys count by their decoded text
-  (``"str\\u0065am"`` is ``"stream"``); escaped lone surrogates (``"\\ud800"``) and UTF-8-encoded
-  surrogates are accepted (``json.loads`` decodes bytes with ``surrogatepass``).
+Deliberate differences from ``json.loads``: the first four listed in gateway.jsonscan's docstring
+(RFC 8259 and UTF-8 only, integers of any length, an object at the top level; duplicate and escaped
+keys and lone surrogates as ``json.loads`` has them).
 """
 
 from __future__ import annotations
@@ -43,59 +36,36 @@ import codecs
 import functools
 import re
 import sys
-from dataclasses import dataclass
-from json.decoder import scanstring
+
+# What the regex check shares with the gateway's scanner, taken from it rather than copied: the
+# results and their errors, the defaults, the checks of a body's opening, the grammar's tokens (the
+# same pattern text as before, so the same compiled expressions and the same speed), the escaped
+# key names and the short "model" string.
+from gateway.jsonscan import (
+    _END,
+    _SCALAR,
+    _STRING,
+    _WS,
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_MAX_MODEL_CHARS,
+    BodyFacts,
+    InvalidJSON,
+    _escaped_name,
+    _opening,
+    _short_string,
+)
 
 __all__ = ["BodyFacts", "InvalidJSON", "inspect_json_body", "DEFAULT_MAX_DEPTH", "DEFAULT_MAX_MODEL_CHARS"]
 
-DEFAULT_MAX_DEPTH = 128
-DEFAULT_MAX_MODEL_CHARS = 256
-_MAX_SUPPORTED_DEPTH = 512  # the expression grows linearly with the depth; far beyond any real body
-
 _UTF8_CHUNK = 64 * 1024
-
-
-class InvalidJSON(ValueError):
-    """The body is not one JSON object within the limits. ``reason`` is short and safe to send back
-    to the client: it names a byte offset at most, never body content. ``kind`` is one of
-    "empty", "not_object", "utf8", "syntax", "depth", "trailing"."""
-
-    def __init__(self, reason: str, kind: str = "syntax") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.kind = kind
-
-
-@dataclass(frozen=True, slots=True)
-class BodyFacts:
-    stream: bool  # the top-level "stream" is JSON true (the last one, if the key repeats)
-    model: str | None  # the top-level "model" when it is a string of at most max_model_chars
-    has_model: bool  # a top-level "model" key exists, whatever its value
-
 
 # -- the grammar, as bytes patterns (str here, encoded once when compiled) ----------------------
 
-_WS = r"[ \t\n\r]*+"
-_STRING = r'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*+)*+"'
-_NUMBER = r"-?+(?:0|[1-9][0-9]*+)(?:\.[0-9]++)?+(?:[eE][-+]?+[0-9]++)?+"
-_SCALAR = rf"(?:{_STRING}|{_NUMBER}|true|false|null)"
-_END = r"(?![\]}])"  # after a comma: another item must follow
 # Containers of scalars only, checked without the per-level group (cheaper: long arrays of small
 # objects, the common shape of "messages", take this path).
 # (Each item is scanned once: the separator that follows it is part of its iteration.)
 _FLAT_ARRAY = rf"\[{_WS}(?:{_SCALAR}{_WS}(?:,{_WS}{_END}|(?=\])))*+\]"
 _FLAT_OBJECT = rf"\{{{_WS}(?:{_STRING}{_WS}:{_WS}{_SCALAR}{_WS}(?:,{_WS}(?=\")|(?=\}})))*+\}}"
-
-
-def _escaped_name(name: str) -> str:
-    """A JSON string literal that decodes to ``name``, however its characters are escaped."""
-    parts = []
-    for char in name:
-        code = f"{ord(char):04x}"
-        hex_digits = "".join(f"[{d}{d.upper()}]" if d.isalpha() else d for d in code)
-        parts.append(f"(?:{re.escape(char)}|\\\\u{hex_digits})")
-    return '"' + "".join(parts) + '"'
-
 
 _KEY_STREAM = _escaped_name("stream")
 _KEY_MODEL = _escaped_name("model")
@@ -160,9 +130,7 @@ def _probe_pattern(max_depth: int) -> re.Pattern[bytes]:
     return _compile(rf"{_WS}{_depth_probe_pattern(max_depth)}")
 
 
-_NOT_WS = re.compile(rb"[^ \t\n\r]")
 _NON_ASCII = re.compile(rb"[\x80-\xff]")
-_STRING_RE = re.compile(_STRING.encode("ascii"))
 
 # Compiled on first use, not at import: an always-on gateway that never sees a cold JSON body
 # never pays for it. The compiled expression costs about 90 KiB of memory per level of depth
@@ -200,15 +168,7 @@ def inspect_json_body(body: bytes | bytearray | memoryview, *, max_depth: int = 
                       max_model_chars: int = DEFAULT_MAX_MODEL_CHARS) -> BodyFacts:
     """Check that ``body`` is one JSON object (RFC 8259, UTF-8) nested at most ``max_depth`` deep
     (the top-level object is depth 1), and return its top-level facts. Raises InvalidJSON."""
-    if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
-        raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
-    if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
-        body = body.cast("B")
-    first = _NOT_WS.search(body)
-    if first is None:
-        raise InvalidJSON("empty body", "empty")
-    if body[first.start()] != 0x7B:  # '{'
-        raise InvalidJSON("body must be a JSON object", "not_object")
+    body, _ = _opening(body, max_depth)
     _check_utf8(body)
     match = _body_pattern(min(max_depth, _FIRST_DEPTH)).match(body)
     if (match is None or match.end() != len(body)) and max_depth > _FIRST_DEPTH and _may_nest_deeper(body):
@@ -221,17 +181,6 @@ def inspect_json_body(body: bytes | bytearray | memoryview, *, max_depth: int = 
     if model_at >= 0 and body[model_at] == 0x22:  # '"'
         model = _short_string(body, model_at, max_model_chars)
     return BodyFacts(stream=stream, model=model, has_model=model_at >= 0)
-
-
-def _short_string(body: bytes | bytearray | memoryview, at: int, max_chars: int) -> str | None:
-    # A character takes at most 12 bytes (an escaped surrogate pair): a string that doesn't end
-    # within that many can't be short enough, and is neither scanned again nor copied out.
-    token = _STRING_RE.match(body, at, at + 12 * max_chars + 2)
-    if token is None:
-        return None
-    text = bytes(body[at:token.end()]).decode("utf-8", "surrogatepass")
-    value, _ = scanstring(text, 1, True)
-    return value if len(value) <= max_chars else None
 
 
 def _diagnose(body: bytes | bytearray | memoryview, max_depth: int, match: re.Match[bytes] | None) -> InvalidJSON:

@@ -90,6 +90,7 @@ class BodyFacts:
 
 
 # -- tokens, as bytes patterns (str here, encoded when compiled) ----------------------------------
+# (bench.jsonscan_regex_baseline builds its expression from these tokens too.)
 
 _WS = r"[ \t\n\r]*+"
 _STRING = r'"[^"\\\x00-\x1f]*+(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*+)*+"'
@@ -204,6 +205,22 @@ def _syntax() -> InvalidJSON:
     return InvalidJSON("body is not valid JSON")
 
 
+def _opening(body: Body, max_depth: int) -> tuple[Body, int]:
+    """The checks every entry point makes first: ``max_depth`` within bounds, a memoryview as bytes,
+    a body that is not empty and opens an object. The body (cast) and the offset of its ``{``."""
+    if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
+        raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
+    if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
+        body = body.cast("B")
+    first = _NOT_WS.search(body)
+    if first is None:
+        raise InvalidJSON("empty body", "empty")
+    # '{': msgspec would skip a BOM-less array too, and say why in its words
+    if body[first.start()] != 0x7B:
+        raise InvalidJSON("body must be a JSON object", "not_object")
+    return body, first.start()
+
+
 class JSONScanner:
     """One pass over ``body`` in steps of about STEP_BYTES: ``while not scanner.step(): <yield>``,
     then ``scanner.facts()``. step() raises InvalidJSON. Holds the body (callers have it whole), a
@@ -211,10 +228,7 @@ class JSONScanner:
 
     def __init__(self, body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
                  max_model_chars: int = DEFAULT_MAX_MODEL_CHARS) -> None:
-        if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
-            raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
-        if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
-            body = body.cast("B")
+        body, first = _opening(body, max_depth)
         self._body, self._n = body, len(body)
         self._max_depth, self._max_model_chars = max_depth, max_model_chars
         self._stack = bytearray()  # the closer each open container expects, innermost last
@@ -225,16 +239,8 @@ class JSONScanner:
         self._handlers: tuple[Callable[[int], tuple[int, int]], ...] = (
             lambda p: self._value(p, False), lambda p: self._value(p, True),
             lambda p: self._key(p, False), lambda p: self._key(p, True), self._after_value)
-        self._pos = self._open_top_level()
-
-    def _open_top_level(self) -> int:
-        first = _NOT_WS.search(self._body)
-        if first is None:
-            raise InvalidJSON("empty body", "empty")
-        if self._body[first.start()] != 0x7B:  # '{'
-            raise InvalidJSON("body must be a JSON object", "not_object")
-        self._stack.append(_OBJECT)
-        return _WS_RE.match(self._body, first.start() + 1).end()
+        self._stack.append(_OBJECT)  # the top-level object, open
+        self._pos = _WS_RE.match(body, first + 1).end()
 
     def step(self) -> bool:
         """Scan about STEP_BYTES more; True once the whole body is checked."""
@@ -448,15 +454,7 @@ def inspect_json_body(body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
     ``pause`` is called between steps of about STEP_BYTES of the UTF-8 and depth checks
     (``gevent.sleep`` on a loop that serves other clients); the grammar check is one C call
     (msgspec, ~5 ns a byte: ~40 ms for 8 MiB)."""
-    if not 1 <= max_depth <= _MAX_SUPPORTED_DEPTH:
-        raise ValueError(f"max_depth must be 1..{_MAX_SUPPORTED_DEPTH}")
-    if isinstance(body, memoryview) and (body.format != "B" or body.ndim != 1):
-        body = body.cast("B")
-    first = _NOT_WS.search(body)
-    if first is None:
-        raise InvalidJSON("empty body", "empty")
-    if body[first.start()] != 0x7B:  # '{': msgspec would skip a BOM-less array too, and say why in its words
-        raise InvalidJSON("body must be a JSON object", "not_object")
+    body, _ = _opening(body, max_depth)
     _check_utf8(body, pause)  # msgspec does not check UTF-8 in the strings it skips
     end = len(body)
     # Deeper than max_depth needs more openers than that: counting them is a C loop at memory speed.

@@ -17,6 +17,7 @@ connection when it returns True.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -238,6 +239,15 @@ class GatewayApp(AnswersHere):
     @property
     def waiting(self) -> int:
         return self.activation.slots.queued
+
+    def rename(self, new_name: str) -> None:
+        """Serve the same backend under ``new_name``. A shared gateway's member renamed with no other
+        setting changed keeps its app through this (call in the hub thread), so its held requests,
+        lease, prober and pool carry on rather than starting over in a new app; what carries the name
+        follows: the config's served_model_name and the app's own ``/v1/models`` answers."""
+        self.config = dataclasses.replace(self.config, served_model_name=new_name)
+        self._model = new_name
+        self._models_body = json.dumps({"object": "list", "data": [self._model_object()]}).encode()
 
     def abort_waiters(self) -> None:
         self.activation.abort_waiters()

@@ -194,8 +194,7 @@ class SharedGatewayApp(AnswersHere):
         if self.demand is not None:
             self.demand.rename(old, new)
         if dataclasses.replace(app.config, served_model_name=new) == config:
-            app.config = config
-            app._model = new  # only the per-model `/v1/models` answer reads it (never asked here)
+            app.rename(new)
             self.apps[new] = app
             return
         self._retiring.append(app)

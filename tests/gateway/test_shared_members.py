@@ -150,6 +150,7 @@ def test_a_rename_moves_the_held_request_and_its_demand_to_the_new_name(demand_g
     assert (change.renamed, change.added, change.removed) == ((("qwen-7b", "qwen-14b"),), (), ())
     assert gw.call(lambda: (gw.app.apps["qwen-14b"] is before, len(gw.app._retiring))) == (
         (True, 0) if max_queue == 4 else (False, 1))
+    assert gw.call(lambda: gw.app.apps["qwen-14b"].config) == renamed.models["qwen-14b"]  # kept or new, the new name
     time.sleep(0.2)  # a few samples: the demand must not dip while the request is held
     assert queued(demand, "qwen-14b") == 1 and queued(demand, "qwen-7b") == 1
 

@@ -190,35 +190,57 @@ def test_a_digest_the_registry_does_not_have_is_refused(registry: str, tmp_path:
     assert not model.marker.exists()
 
 
-class TamperingProxy:
-    """Forwards to the real registry, changing what it serves: the manifest or a blob."""
+class RegistryProxy:
+    """A local server in front of the real registry, on threads of its own: each GET is fetched from
+    the registry and handed to ``serve``, which says what reaches the stager instead."""
 
-    def __init__(self, upstream: str, tamper: Callable[[str, bytes], bytes]) -> None:
+    def __init__(self, upstream: str, protocol: str = "HTTP/1.0") -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = protocol
+
             def log_message(self, *args: object) -> None:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802
                 r = requests.get(f"http://{upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")},
                                  timeout=10)
-                body = outer.tamper(self.path, r.content) if r.status_code == 200 else r.content
-                self.send_response(r.status_code)
-                self.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                outer.serve(self, r)
 
-        self.tamper = tamper
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.address = f"127.0.0.1:{self.server.server_port}"
 
+    def serve(self, handler: BaseHTTPRequestHandler, r: requests.Response) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def send_head(handler: BaseHTTPRequestHandler, r: requests.Response, length: int | None) -> None:
+        """The registry's status and content type; a Content-Length of ``length`` unless None."""
+        handler.send_response(r.status_code)
+        handler.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
+        if length is not None:
+            handler.send_header("Content-Length", str(length))
+        handler.end_headers()
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class TamperingProxy(RegistryProxy):
+    """Forwards to the real registry, changing what it serves: the manifest or a blob."""
+
+    def __init__(self, upstream: str, tamper: Callable[[str, bytes], bytes]) -> None:
+        self.tamper = tamper
+        super().__init__(upstream)
+
+    def serve(self, handler: BaseHTTPRequestHandler, r: requests.Response) -> None:
+        body = self.tamper(handler.path, r.content) if r.status_code == 200 else r.content
+        self.send_head(handler, r, len(body))
+        handler.wfile.write(body)
 
 
 @pytest.fixture
@@ -293,39 +315,26 @@ def test_identical_files_and_nested_folders_stage_with_each_blob_fetched_once(re
     assert {oct(p.stat().st_mode & 0o777) for p in model.final.rglob("*") if p.is_file()} == {"0o644"}
 
 
-class OversizeProxy:
+class OversizeProxy(RegistryProxy):
     """Serves one blob with more bytes than the manifest declares: with a Content-Length saying so,
     or without one (a close-delimited HTTP/1.0 body, so only counting the stream can stop it)."""
 
     def __init__(self, upstream: str, extra: int, announce: bool) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1" if announce else "HTTP/1.0"
+        self.extra, self.announce = extra, announce
+        super().__init__(upstream, "HTTP/1.1" if announce else "HTTP/1.0")
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802
-                r = requests.get(f"http://{upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")},
-                                 timeout=10)
-                body = r.content
-                big = "/blobs/" in self.path and r.status_code == 200 and len(body) > 1000
-                self.send_response(r.status_code)
-                self.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
-                if announce or not big:
-                    self.send_header("Content-Length", str(len(body) + (extra if big else 0)))
-                self.end_headers()
-                self.wfile.write(body)
-                if big:
-                    try:
-                        for _ in range(extra // 65536):
-                            self.wfile.write(b"\0" * 65536)
-                    except OSError:
-                        pass  # the stager hung up: what this test wants
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.address = f"127.0.0.1:{self.server.server_port}"
+    def serve(self, handler: BaseHTTPRequestHandler, r: requests.Response) -> None:
+        body, extra = r.content, self.extra
+        big = "/blobs/" in handler.path and r.status_code == 200 and len(body) > 1000
+        announced = len(body) + (extra if big else 0) if self.announce or not big else None  # None: close-delimited
+        self.send_head(handler, r, announced)
+        handler.wfile.write(body)
+        if big:
+            try:
+                for _ in range(extra // 65536):
+                    handler.wfile.write(b"\0" * 65536)
+            except OSError:
+                pass  # the stager hung up: what this test wants
 
 
 @pytest.mark.parametrize("announce", [True, False], ids=["content-length", "close-delimited"])
@@ -339,42 +348,28 @@ def test_a_blob_stream_longer_than_declared_is_refused(registry: str, tmp_path: 
             stage(model, OciStager(plain_http=True), progress_interval=60)
         assert not model.marker.exists() and not model.blobs.exists()
     finally:
-        big.server.shutdown()
-        big.server.server_close()
+        big.close()
 
 
-class TrickleProxy:
+class TrickleProxy(RegistryProxy):
     """Serves the registry's answers, but blobs larger than 1000 bytes at ``rate`` bytes per second."""
 
     def __init__(self, upstream: str, rate: float) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        self.rate = rate
+        super().__init__(upstream, "HTTP/1.1")
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802
-                r = requests.get(f"http://{upstream}{self.path}", headers={"Accept": self.headers.get("Accept", "*/*")},
-                                 timeout=10)
-                body = r.content
-                slow = "/blobs/" in self.path and r.status_code == 200 and len(body) > 1000
-                self.send_response(r.status_code)
-                self.send_header("Content-Type", r.headers.get("Content-Type", "application/octet-stream"))
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                try:
-                    for i in range(0, len(body), 64 if slow else len(body) or 1):
-                        self.wfile.write(body[i:i + (64 if slow else len(body))])
-                        self.wfile.flush()
-                        if slow:
-                            time.sleep(64 / rate)
-                except OSError:
-                    self.close_connection = True  # the stager hung up: what this test wants
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.address = f"127.0.0.1:{self.server.server_port}"
+    def serve(self, handler: BaseHTTPRequestHandler, r: requests.Response) -> None:
+        body = r.content
+        slow = "/blobs/" in handler.path and r.status_code == 200 and len(body) > 1000
+        self.send_head(handler, r, len(body))
+        try:
+            for i in range(0, len(body), 64 if slow else len(body) or 1):
+                handler.wfile.write(body[i:i + (64 if slow else len(body))])
+                handler.wfile.flush()
+                if slow:
+                    time.sleep(64 / self.rate)
+        except OSError:
+            handler.close_connection = True  # the stager hung up: what this test wants
 
 
 def test_a_blob_trickling_below_the_minimum_rate_is_abandoned_and_frees_the_lock(
@@ -394,8 +389,7 @@ def test_a_blob_trickling_below_the_minimum_rate_is_abandoned_and_frees_the_lock
         with model.locked(0, logging.getLogger("test")):  # free at once for the next attempt
             pass
     finally:
-        slow.server.shutdown()
-        slow.server.server_close()
+        slow.close()
 
 
 def test_a_layer_that_expands_beyond_its_bound_is_refused(registry: str, tmp_path: Path) -> None:  # noqa: F811
