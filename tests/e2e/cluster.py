@@ -205,6 +205,10 @@ class Cluster:
         self._hosts[host] = list(addresses)
         self._write_hosts()
 
+    def resolve(self, host: str) -> list[str]:
+        """The addresses ``host`` resolves to now, as the hosts file says (empty when it names none)."""
+        return list(self._hosts.get(host, []))
+
     def _write_hosts(self) -> None:
         lines = ["127.0.0.1 localhost"] + [f"{a} {host}" for host, addrs in sorted(self._hosts.items()) for a in addrs]
         # Rewritten in place (same inode): the bind mounts of running processes see the change.
@@ -233,6 +237,24 @@ class Cluster:
         proc = self._procs.pop(name, None)
         if proc is not None:
             _terminate(proc)
+
+    def signal_process(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the process itself, not its group: what the container runtime does to a
+        container's PID 1 when the kubelet stops it (the process stops its own children)."""
+        proc = self._procs[name]
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+
+    def wait_process(self, name: str, timeout: float) -> int | None:
+        """Its exit code once ``name`` has exited by itself (it is then forgotten), None while it
+        still runs after ``timeout`` seconds."""
+        proc = self._procs[name]
+        try:
+            code = proc.wait(max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
+        del self._procs[name]
+        return code
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         path = self.workdir / f"{name}.log"

@@ -4,10 +4,18 @@
   aggregator): it reads the Deployment from the API server and starts one process per replica with
   that Deployment's command, env, Secret and ConfigMap volumes (written to files, their mount paths
   rewritten), each on a private loopback address, and makes every Service selecting those Pods resolve
-  to them. So what is tested is the rendered Deployment, not a hand-written command line. A ConfigMap
+  to them (as a headless Service would; with ``service_ips``, to a stable virtual address of the
+  Service instead, ``ServiceIP``, as a ClusterIP Service does). So what is tested is the rendered
+  Deployment, not a hand-written command line. A ConfigMap
   volume is refreshed as the kubelet does it — new files in a fresh directory, then one atomic swap of
   the ``..data`` link — every ``CONFIG_MAP_SYNC_SECONDS`` (a kubelet's periodic Pod sync is about a
   minute by default; the suite shortens it so a membership change is seen within its timeouts).
+  ``LocalPods.rolling_update`` plays a new template as a RollingUpdate Deployment rolls it under
+  traffic (new Pod on a new address, Ready, in its Services; old Pod SIGTERMed, out of its Services a
+  moment later, ending by itself); ``LocalPods.rollout`` plays it as Recreate on the same addresses.
+- ``ServiceIP`` is kube-proxy for one Service: a stable address whose every new connection goes to one
+  of the Service's ready endpoints, on the targetPort. ``ClusterNames`` resolves Service names for the
+  suite's own clients as the hosts file does for its processes (this process cannot mount it).
 - ``ModelServer`` is the backend: a small OpenAI-compatible server that listens exactly while the
   backend Deployment has a Ready Pod (as kwok reports it), so a cold request really waits for KEDA →
   Deployment → ReplicaSet → scheduler → kwok → gateway readiness.
@@ -16,14 +24,22 @@
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import shutil
+import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import httpcore2
+import httpx2
 import requests
 
 from tests.e2e.cluster import Cluster, Timeline
@@ -34,6 +50,8 @@ CLUSTER_DOMAIN = "cluster.local"
 POLL_SECONDS = 0.1
 DRAIN_GRACE_SECONDS = 30.0  # a scaled-in backend answers what it has in flight for this long, at most
 CONFIG_MAP_SYNC_SECONDS = 1.0
+REVISION_ANNOTATION = "deployment.kubernetes.io/revision"  # the Deployment controller's, on Deployment and ReplicaSet
+DEFAULT_TERMINATION_GRACE_SECONDS = 30  # a Pod's terminationGracePeriodSeconds when its template has none
 
 
 def service_hosts(name: str, namespace: str) -> list[str]:
@@ -44,11 +62,32 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
+@dataclass
+class Replacement:
+    """One Pod replaced by ``LocalPods.rolling_update``; times in seconds after the update began."""
+
+    old: str
+    new: str
+    old_address: str
+    new_address: str
+    new_ready: float  # the new Pod's readiness probe answered 200 (its address joined its Services)
+    terminated: float  # SIGTERM to the old Pod
+    unpublished: float  # the old Pod's address left its Services
+    grace: float  # the template's terminationGracePeriodSeconds
+    exited_after: float | None = None  # seconds from SIGTERM to the old process's exit
+    exit_code: int | None = None
+    killed: bool = False  # still running at the end of its grace: SIGKILLed, as the kubelet does
+
+
 class LocalPods:
     """The replicas of one Deployment in Noctaya's image, as local processes (see the module doc)."""
 
     def __init__(self, cluster: Cluster, namespace: str, deployment: str, env: dict[str, str] | None = None,
-                 source: Path = REPO_ROOT) -> None:
+                 source: Path = REPO_ROOT, service_ips: bool = False) -> None:
+        """``service_ips``: each Service selecting these Pods gets a ``ServiceIP`` its names resolve to
+        (a ClusterIP: a connection by name survives a Pod changing address, as in a cluster); without,
+        its names resolve to the Pods' own addresses (a headless Service: a client that resolved the
+        name keeps the old address until it resolves again)."""
         self.cluster = cluster
         self.source = source  # the tree whose code the image runs (another release's, for the upgrade tests)
         self.namespace = namespace
@@ -56,7 +95,9 @@ class LocalPods:
         self.env_overrides = dict(env or {})  # what a benchmark changes on top of the rendered env
         self.addresses: list[str] = []
         self._names: list[str] = []
-        self._config_maps: list[tuple[dict[str, Any], Path]] = []  # (volume source, local mount dir)
+        self._config_maps: list[tuple[str, dict[str, Any], Path]] = []  # (Pod, volume source, local mount dir)
+        self._template: dict[str, Any] | None = None  # the Pod template the processes run
+        self.service_ips: dict[str, ServiceIP] | None = {} if service_ips else None  # by Service name
         self._stop = threading.Event()
         self._sync: threading.Thread | None = None
 
@@ -65,25 +106,56 @@ class LocalPods:
         restart behind a stable Service address, as a Service's ClusterIP stays across a rollout)."""
         obj = self.cluster.get("deployment", self.deployment, self.namespace)
         assert obj is not None, f"deployment {self.namespace}/{self.deployment} does not exist"
-        spec = obj["spec"]["template"]["spec"]
-        labels = obj["spec"]["template"]["metadata"]["labels"]
-        (container,) = spec["containers"]
+        self._template = obj["spec"]["template"]
         count = obj["spec"].get("replicas", 1) if replicas is None else replicas
         for index in range(count):
-            self._start_one(index, container, spec.get("volumes") or [],
-                            addresses[index] if addresses and index < len(addresses) else None)
+            name, address = self._start_one(f"{self.deployment}-{index}", self._template,
+                                            addresses[index] if addresses and index < len(addresses) else None)
+            self._names.append(name)
+            self.addresses.append(address)
+        self._start_sync()
+        self._publish(self.addresses)
+        return self
+
+    def _start_sync(self) -> None:
         if self._config_maps and self._sync is None:
             self._sync = threading.Thread(target=self._sync_config_maps, name=f"kubelet-{self.deployment}", daemon=True)
             self._sync.start()
-        for svc in self.cluster.api(f"/api/v1/namespaces/{self.namespace}/services")["items"]:
-            if selects(svc["spec"].get("selector") or {}, labels):
-                for host in service_hosts(svc["metadata"]["name"], self.namespace):
-                    self.cluster.publish(host, self.addresses)
-        return self
 
-    def _start_one(self, index: int, container: dict[str, Any], volumes: list[dict[str, Any]],
-                   address: str | None = None) -> None:
-        name = f"{self.deployment}-{index}"
+    def _publish(self, addresses: list[str]) -> None:
+        """``addresses`` are the ready endpoints of every Service selecting these Pods: its names
+        resolve to them, or (``service_ips``) its ServiceIP sends new connections to them."""
+        assert self._template is not None
+        labels = self._template["metadata"]["labels"]
+        for svc in self.cluster.api(f"/api/v1/namespaces/{self.namespace}/services")["items"]:
+            if not selects(svc["spec"].get("selector") or {}, labels):
+                continue
+            name = svc["metadata"]["name"]
+            if self.service_ips is None:
+                for host in service_hosts(name, self.namespace):
+                    self.cluster.publish(host, addresses)
+                continue
+            if name not in self.service_ips:
+                ports = {p["port"]: self._container_port(p.get("targetPort", p["port"])) for p in svc["spec"]["ports"]}
+                self.service_ips[name] = ServiceIP(self.cluster, f"{self.namespace}/{name}", ports)
+                for host in service_hosts(name, self.namespace):
+                    self.cluster.publish(host, [self.service_ips[name].address])
+            self.service_ips[name].endpoints = list(addresses)
+
+    def _container_port(self, target: int | str) -> int:
+        """A Service port's targetPort: a number, or the name of a container port of the template."""
+        if isinstance(target, int):
+            return target
+        assert self._template is not None
+        found = [p["containerPort"] for c in self._template["spec"]["containers"] for p in c.get("ports") or []
+                 if p.get("name") == target]
+        assert found, f"{self.deployment}: no container port named {target}"
+        return found[0]
+
+    def _start_one(self, name: str, template: dict[str, Any], address: str | None = None) -> tuple[str, str]:
+        """One Pod of ``template`` as the process ``name``; (name, its address)."""
+        (container,) = template["spec"]["containers"]
+        volumes = template["spec"].get("volumes") or []
         address = address or self.cluster.new_address()
         root = self.cluster.workdir / "pods" / self.namespace / f"{name}-{time.monotonic_ns()}"  # a restart gets fresh mounts
         mounts: dict[str, Path] = {}
@@ -95,7 +167,7 @@ class LocalPods:
                 self._write_secret(volume["secret"], local)
             elif "configMap" in volume:
                 self._write_config_map(volume["configMap"], local)
-                self._config_maps.append((volume["configMap"], local))
+                self._config_maps = [*self._config_maps, (name, volume["configMap"], local)]
             mounts[mount["mountPath"]] = local
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(self.source), "TMPDIR": str(mounts.get("/tmp", root)),
                "NOCTAYA_LISTEN_HOST": address, "PYTHONDONTWRITEBYTECODE": "1"}
@@ -106,8 +178,7 @@ class LocalPods:
         command = [*container.get("command", []), *container.get("args", [])]
         assert command[:2] == ["python", "-m"], f"{name}: not Noctaya's image command: {command}"
         self.cluster.spawn_with_cluster_names(name, [sys.executable, *command[1:]], env, cwd=self.source)
-        self.addresses.append(address)
-        self._names.append(name)
+        return name, address
 
     def _write_secret(self, volume: dict[str, Any], target: Path) -> None:
         secret = self.cluster.get("secret", volume["secretName"], self.namespace)
@@ -151,7 +222,7 @@ class LocalPods:
 
     def _sync_config_maps(self) -> None:
         while not self._stop.wait(CONFIG_MAP_SYNC_SECONDS):
-            for volume, target in self._config_maps:
+            for _pod, volume, target in self._config_maps:
                 try:
                     self._write_config_map(volume, target, refresh=True)
                 except (requests.RequestException, OSError):
@@ -181,15 +252,232 @@ class LocalPods:
         for name in self._names:
             self.cluster.stop_process(name)
         self._names.clear()
+        for service_ip in (self.service_ips or {}).values():
+            service_ip.close()
 
     def rollout(self, source: Path = REPO_ROOT) -> LocalPods:
-        """The Deployment's new template, played: these processes stop and new ones start from the
-        Deployment as it is now (`source`: the tree its image runs), on the same addresses, so KEDA's
-        scaler connection finds the new Pod as it would behind the scaler Service's ClusterIP."""
+        """The Deployment's new template, played as Recreate: these processes stop and new ones start
+        from the Deployment as it is now (`source`: the tree its image runs), on the same addresses, so
+        KEDA's scaler connection finds the new Pod as it would behind the scaler Service's ClusterIP.
+        Requests sent meanwhile fail: for a Deployment under traffic, see ``rolling_update``."""
         addresses = list(self.addresses)
         self.stop()
         fresh = LocalPods(self.cluster, self.namespace, self.deployment, self.env_overrides, source=source)
         return fresh.start(len(addresses), addresses=addresses)
+
+    def new_replica_set(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The Deployment controller's ReplicaSet of the Deployment's current template: the one whose
+        revision is the Deployment's, once the controller has observed the Deployment's generation."""
+        base = f"/apis/apps/v1/namespaces/{self.namespace}"
+        deadline = time.monotonic() + timeout
+        while True:
+            dep = self.cluster.api(f"{base}/deployments/{self.deployment}")
+            revision = (dep["metadata"].get("annotations") or {}).get(REVISION_ANNOTATION)
+            if revision and dep["status"].get("observedGeneration") == dep["metadata"]["generation"]:
+                selector = ",".join(f"{k}={v}" for k, v in dep["spec"]["selector"]["matchLabels"].items())
+                for rs in self.cluster.api(f"{base}/replicasets?labelSelector={quote(selector)}")["items"]:
+                    owners = [o["uid"] for o in rs["metadata"].get("ownerReferences") or []]
+                    if dep["metadata"]["uid"] in owners and \
+                            (rs["metadata"].get("annotations") or {}).get(REVISION_ANNOTATION) == revision:
+                        return rs
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no ReplicaSet of {self.deployment}'s revision {revision} within {timeout}s")
+            time.sleep(POLL_SECONDS)
+
+    def rolling_update(self, admin_port: int, endpoints_lag: float = 1.5, timeout: float = 60.0,
+                       note: Callable[[str], None] | None = None) -> list[Replacement]:
+        """The Deployment's new template, played as its RollingUpdate strategy rolls it under traffic
+        (the hooks leave the defaults, maxSurge 25% and maxUnavailable 25%: one new Pod first, no old
+        one gone before it is Ready), with the kubelet and the endpoints controller, replica by replica:
+
+        1. the Deployment controller's new ReplicaSet is awaited (``new_replica_set``); its template
+           is what the new Pods run, each on a new private address (a new Pod IP), as process
+           ``<deployment>-<pod-template-hash>-<index>``;
+        2. once its readiness probe (``/healthz`` on ``admin_port``) answers 200, its address joins
+           every Service selecting these Pods;
+        3. the old Pod's process is sent SIGTERM (the process, not its group: the container runtime
+           signals PID 1), and its address leaves its Services ``endpoints_lag`` seconds later — the
+           endpoints controller drops a terminating Pod at once, but kube-proxy and client-side
+           balancers learn it about that much later and meanwhile still send it new connections
+           (a connection already open stays, as with kube-proxy);
+        4. then the next replica; at the end every old process is waited for: it must end by itself
+           within the template's terminationGracePeriodSeconds from its SIGTERM, else it is killed
+           (SIGKILL to its group), as the kubelet does.
+
+        ``note`` is told each step. Returns what happened to each old Pod."""
+        say = note or (lambda _: None)
+        t0 = time.monotonic()
+        rs = self.new_replica_set(timeout)
+        template = rs["spec"]["template"]
+        assert self._template is not None, "start() first"
+        assert template["spec"] != self._template["spec"], \
+            f"{self.deployment}: the new ReplicaSet runs the same Pod spec; nothing to roll"
+        pod_hash = rs["metadata"]["labels"].get("pod-template-hash", rs["metadata"]["name"].rsplit("-", 1)[-1])
+        say(f"{self.deployment}: new ReplicaSet {rs['metadata']['name']} (revision "
+            f"{rs['metadata']['annotations'][REVISION_ANNOTATION]}) after {time.monotonic() - t0:.2f}s")
+        grace = float(template["spec"].get("terminationGracePeriodSeconds", DEFAULT_TERMINATION_GRACE_SECONDS))
+        serving = list(self.addresses)
+        replaced: list[Replacement] = []
+        terminated_at: list[float] = []
+        for index, (old, old_address) in enumerate(zip(list(self._names), list(self.addresses), strict=True)):
+            new, new_address = self._start_one(f"{self.deployment}-{pod_hash}-{index}", template)
+            self._wait_ready(new, new_address, admin_port, timeout)
+            ready = time.monotonic() - t0
+            serving.append(new_address)
+            self._publish(serving)
+            say(f"{new} Ready at {new_address} after {ready:.2f}s: in its Services {serving}")
+            self.cluster.signal_process(old, signal.SIGTERM)
+            terminated_at.append(time.monotonic())
+            say(f"{old} ({old_address}) sent SIGTERM; it leaves its Services in {endpoints_lag}s")
+            time.sleep(endpoints_lag)
+            serving.remove(old_address)
+            self._publish(serving)
+            unpublished = time.monotonic() - t0
+            say(f"{old_address} out of its Services {unpublished - (terminated_at[-1] - t0):.2f}s after SIGTERM: {serving}")
+            replaced.append(Replacement(old, new, old_address, new_address, ready, terminated_at[-1] - t0,
+                                        unpublished, grace))
+            self._names[index], self.addresses[index] = new, new_address
+            self._template = template
+            self._start_sync()
+        for done, signalled in zip(replaced, terminated_at, strict=True):
+            code = self.cluster.wait_process(done.old, signalled + grace - time.monotonic())
+            if code is None:
+                self.cluster.stop_process(done.old)  # SIGKILL after the grace (its group: nothing outlives the Pod)
+                done.killed = True
+            else:
+                done.exit_code = code
+            done.exited_after = time.monotonic() - signalled
+            self._config_maps = [c for c in self._config_maps if c[0] != done.old]
+            say(f"{done.old} {'killed at the end of its grace' if done.killed else f'exited with {code}'} "
+                f"{done.exited_after:.2f}s after SIGTERM (grace {grace:.0f}s)")
+        return replaced
+
+    def _wait_ready(self, name: str, address: str, port: int, timeout: float) -> None:
+        """Until the kubelet would call the Pod Ready: its readiness probe (/healthz on ``port``) 2xx/3xx."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if 200 <= requests.get(f"http://{address}:{port}/healthz", timeout=2).status_code < 400:
+                    return
+            except requests.RequestException:
+                pass
+            if self.cluster.wait_process(name, 0) is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not Ready at {address}:{port}: {self.cluster.log_tail(name)}")
+            time.sleep(POLL_SECONDS)
+
+
+class ServiceIP:
+    """A Service's ClusterIP as kube-proxy serves it: a stable private address listening on every port
+    of the Service; each new connection goes to one of the Service's ready endpoints at that moment
+    (``endpoints``, round robin) on that port's targetPort, and stays there until either side closes
+    it — so a kept-alive connection to a terminating Pod lasts, and a client reconnecting to the same
+    address reaches whichever Pod is ready now. No ready endpoint, or one no longer listening: the
+    connection is closed at once (kube-proxy rejects it). ``connections`` counts them per endpoint;
+    ``endpoint_of`` tells a client which Pod its connection reached."""
+
+    def __init__(self, cluster: Cluster, name: str, ports: dict[int, int]) -> None:
+        self.name = name
+        self.address = cluster.new_address()
+        self.endpoints: list[str] = []
+        self.connections: dict[str, int] = {}
+        self._routes: dict[tuple[str, int], str] = {}  # client (address, port) -> endpoint
+        self._turn = itertools.count()
+        self._stop = threading.Event()
+        self._listeners = []
+        for port, target in ports.items():
+            listener = socket.create_server((self.address, port))
+            listener.settimeout(0.2)
+            self._listeners.append(listener)
+            threading.Thread(target=self._accept, args=(listener, target), name=f"service-ip-{name}:{port}",
+                             daemon=True).start()
+
+    def _accept(self, listener: socket.socket, target: int) -> None:
+        while not self._stop.is_set():
+            try:
+                client, peer = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed by close()
+                return
+            endpoints = self.endpoints
+            if not endpoints:
+                client.close()
+                continue
+            endpoint = endpoints[next(self._turn) % len(endpoints)]
+            try:
+                upstream = socket.create_connection((endpoint, target), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            self.connections[endpoint] = self.connections.get(endpoint, 0) + 1
+            self._routes[peer[:2]] = endpoint
+            ends = [2]
+            lock = threading.Lock()
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pipe, args=(a, b, ends, lock), daemon=True).start()
+
+    def endpoint_of(self, client: tuple[str, int]) -> str | None:
+        """The endpoint the open connection from ``client`` (its address and port) was sent to."""
+        return self._routes.get(tuple(client[:2]))
+
+    def close(self) -> None:
+        self._stop.set()
+        for listener in self._listeners:
+            listener.close()
+
+
+def _pipe(src: socket.socket, dst: socket.socket, ends: list[int], lock: threading.Lock) -> None:
+    """One direction of a proxied connection; its end is passed on (a half close), and the last of
+    the two directions to end closes both sockets."""
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    with lock:
+        ends[0] -= 1
+        last = ends[0] == 0
+    if last:
+        src.close()
+        dst.close()
+
+
+class ClusterNames(httpcore2.NetworkBackend):
+    """Service names for the suite's own clients (an httpcore network backend; ``http_client`` makes an
+    httpx client of it): the suite's processes resolve them through the hosts file the cluster
+    publishes (cluster.py), which this process cannot mount over its /etc/hosts; a connection here to
+    ``<service>.<namespace>.svc[.cluster.local]`` goes to the address the cluster publishes for that
+    name at that moment (a ServiceIP; round robin among several), same port. Other names are dialled
+    as they are."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self._direct = httpcore2.SyncBackend()
+        self._turn = itertools.count()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore2.NetworkStream:
+        if host.removesuffix("." + CLUSTER_DOMAIN).endswith(".svc"):
+            addresses = self.cluster.resolve(host)
+            if not addresses:
+                raise httpcore2.ConnectError(f"{host}: unknown name")
+            host = addresses[next(self._turn) % len(addresses)]
+        return self._direct.connect_tcp(host, port, timeout, local_address, socket_options)
+
+    def http_client(self, **kwargs: Any) -> httpx2.Client:
+        """An httpx client (as the `openai` SDK takes it: ``http_client=``) resolving Service names
+        through this; ``kwargs`` as httpx.Client takes them (event_hooks, ...)."""
+        transport = httpx2.HTTPTransport()
+        # httpx builds its connection pool with the default network backend and has no argument for
+        # another: the pool is replaced by the same one on this backend.
+        transport._pool = httpcore2.ConnectionPool(network_backend=self, max_connections=100)
+        return httpx2.Client(transport=transport, follow_redirects=True, **kwargs)
 
 
 class ModelServer:

@@ -19,17 +19,19 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 import grpc
+import httpx2
 import openai
 import pytest
 import requests
 import yaml
 
+from gateway.config import GatewayConfig
 from hooks.resources.context import ADMIN_PORT
 from hooks.resources.gateway import READY_GRACE_SECONDS
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, Timeline
-from tests.e2e.pods import LocalPods, ModelServer
+from tests.e2e.pods import ClusterNames, LocalPods, ModelServer
 from tests.e2e.test_lifecycle import conditions
 from tests.kube.apiserver import REPO_ROOT
 
@@ -112,10 +114,13 @@ class Model:
             self.get(kind, suffix) is not None
             for kind, suffix in [("deployment", "-gateway"), ("deployment", "-backend"), ("scaledobject", "-backend")]))
 
-    def start_pods(self, gateways: int = 1, aggregator: bool = False) -> None:
+    def start_pods(self, gateways: int = 1, aggregator: bool = False, service_ips: bool = False) -> None:
+        """``service_ips``: the gateways' Services get stable addresses (ClusterIPs, LocalPods)."""
         if aggregator:
-            self.aggregator = LocalPods(self.cluster, self.namespace, f"{self.name}-aggregator").start(1)
-        self.gateways = LocalPods(self.cluster, self.namespace, f"{self.name}-gateway").start(gateways)
+            self.aggregator = LocalPods(self.cluster, self.namespace, f"{self.name}-aggregator",
+                                        service_ips=service_ips).start(1)
+        self.gateways = LocalPods(self.cluster, self.namespace, f"{self.name}-gateway",
+                                  service_ips=service_ips).start(gateways)
         self.gateways.wait_http(GATEWAY_PORT)
         self.server.start()
 
@@ -368,6 +373,201 @@ def test_two_gateways_aggregate_their_demand(model_factory: Callable[[str, str],
     text, _ = stream_answer(model.client(index=0), "multi")
     assert text == ANSWER
     print(f"\ntwo gateways + aggregator: cold request at gateway 2 answered, first token {first:.2f} s")
+
+
+class ServiceLoad:
+    """Clients asking one after another through a Service name with the `openai` SDK as it ships (its
+    own retries: 2, honouring x-should-retry and Retry-After), half of them streamed. Each client
+    counts its attempts (the SDK's retries are the attempts beyond one per call), the status of every
+    non-2xx answer, and which Pod answered each call (``route``: the Pod address of a connection, by
+    its client address); every failure the SDK raises is kept."""
+
+    def __init__(self, base_url: str, names: ClusterNames, route: Callable[[tuple[str, int]], str | None],
+                 model: str, clients: int = 4) -> None:
+        self.base_url, self.names, self.route, self.model = base_url, names, route, model
+        self.calls = self.answered = self.attempts = 0
+        self.by_address: dict[str, int] = {}
+        self.refused: dict[int, int] = {}  # status -> answers the SDK retried (or raised)
+        self.failures: list[str] = []
+        self._once: Callable[[], None] | None = None
+        self._http: list[httpx2.Client] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i % 2 == 0,), daemon=True) for i in range(clients)]
+
+    def start(self) -> ServiceLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def ask_once(self) -> None:
+        """One call (not streamed) from this load's first client, on the calling thread."""
+        if self._once is None:
+            self._once = self._client(False)
+        self._once()
+
+    def _run(self, stream: bool) -> None:
+        call = self._client(stream)
+        while not self._stop.is_set():
+            call()
+
+    def _client(self, stream: bool) -> Callable[[], None]:
+        """A client of its own (its own connection pool), as a call that asks once and counts."""
+        answered_by: list[str] = []
+
+        def on_request(_request: httpx2.Request) -> None:
+            with self._lock:
+                self.attempts += 1
+
+        def on_response(response: httpx2.Response) -> None:
+            answered_by.append(str(self.route(response.extensions["network_stream"].get_extra_info("client_addr"))))
+            if response.status_code >= 300:
+                with self._lock:
+                    self.refused[response.status_code] = self.refused.get(response.status_code, 0) + 1
+
+        http = self.names.http_client(event_hooks={"request": [on_request], "response": [on_response]})
+        self._http.append(http)
+        client = openai.OpenAI(base_url=self.base_url, api_key="unused", http_client=http, timeout=30)
+        messages = [{"role": "user", "content": "hi"}]
+
+        def call() -> None:
+            answered_by.clear()
+            try:
+                if stream:
+                    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                        model=self.model, messages=messages, stream=True) if c.choices)
+                else:
+                    text = client.chat.completions.create(model=self.model, messages=messages).choices[0].message.content
+                assert (text or "").strip() == ANSWER, f"answer {text!r}"
+                with self._lock:
+                    self.calls += 1
+                    self.answered += 1
+                    self.by_address[answered_by[-1]] = self.by_address.get(answered_by[-1], 0) + 1
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                with self._lock:
+                    self.calls += 1
+                    self.failures.append(f"{type(exc).__name__}: {exc}"[:300])
+
+        return call
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            if t.ident is not None:
+                t.join(60)
+        for http in self._http:
+            http.close()
+
+    @property
+    def retries(self) -> int:
+        return self.attempts - self.calls
+
+
+def established(address: str, port: int) -> int:
+    """TCP connections established to ``address:port`` on this machine (KEDA's to a scaler, here)."""
+    want = f"{bytes(reversed([int(b) for b in address.split('.')])).hex().upper()}:{port:04X}"
+    with open("/proc/net/tcp") as fh:
+        return sum(1 for line in fh.readlines()[1:] if line.split()[1] == want and line.split()[3] == "01")
+
+
+ENDPOINTS_LAG_SECONDS = 1.5  # SIGTERM → the old gateway out of its Services (endpoints controller + kube-proxy)
+
+
+@pytest.mark.timeout(240)
+def test_a_rolling_update_of_the_gateway_under_openai_load_fails_no_request(
+        model_factory: Callable[[str, str], Model], cluster: Cluster, timeline: Timeline) -> None:
+    # A warm model; the `openai` client (its own retries) asks through the gateway's Service name while
+    # a spec change rolls the gateway Deployment; the rollout is played as a RollingUpdate with kubelet
+    # and endpoints controller (LocalPods.rolling_update): the old gateway keeps serving its drain delay
+    # after SIGTERM while clients still reach it, then refuses retryably and ends by itself.
+    model = model_factory("rolled", "e2e-roll")
+    model.create(llmservice("rolled", "e2e-roll"))
+    # The gateway's Services (public and scaler) on stable addresses, as ClusterIP Services are: KEDA
+    # dials the scaler Service's name, and in a cluster a Pod's new address never reaches it.
+    model.start_pods(service_ips=True)
+    model.wait_keda_connected()
+    assert model.gateways is not None and model.gateways.service_ips is not None
+    text, _ = stream_answer(model.client(), "rolled")  # warm: the backend is up
+    assert text == ANSWER, timeline.text()
+    backend_pods = set(model.server.pods_seen)
+
+    def gateway_env() -> dict[str, str]:
+        dep = model.get("deployment", "-gateway")
+        assert dep is not None
+        return {e["name"]: e.get("value", "") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    before = gateway_env()
+    assert before["NOCTAYA_SCALER_MODE"] == "local", before  # KEDA dials this gateway's own scaler
+    delay = float(before.get("NOCTAYA_DRAIN_DELAY_SECONDS", GatewayConfig.drain_delay_seconds))
+    assert ENDPOINTS_LAG_SECONDS < delay, f"the endpoints lag must be inside the drain delay ({delay}s)"
+    endpoint = model.get("llmservice")["status"]["endpoint"]
+    assert endpoint == "http://rolled-gateway.e2e-roll.svc.cluster.local/v1", endpoint
+    old_scaler = model.gateways.addresses[0]
+    assert established(old_scaler, SCALER_PORT) >= 1, "KEDA holds no connection to the gateway's scaler"
+
+    public = model.gateways.service_ips["rolled-gateway"]
+    # A client idle across the rollout: its pooled connection reaches the old Pod, its next call comes
+    # after that Pod is gone.
+    idle = ServiceLoad(endpoint, ClusterNames(cluster), public.endpoint_of, "rolled", clients=1)
+    idle.ask_once()
+    load = ServiceLoad(endpoint, ClusterNames(cluster), public.endpoint_of, "rolled").start()
+    try:
+        time.sleep(2.0)
+        assert load.answered > 0 and not load.failures, (load.failures[:3], timeline.text())
+        # A spec change the gateway's template carries (NOCTAYA_MAX_QUEUE): the hooks render it, the
+        # Deployment controller makes a new ReplicaSet.
+        t0 = time.monotonic()
+        cluster.kubectl("-n", "e2e-roll", "patch", "llmservice", "rolled", "--type=merge",
+                        "-p", '{"spec":{"endpoint":{"maxQueue":64}}}')
+        model.wait("gateway Deployment template rendered with maxQueue 64",
+                   lambda: gateway_env().get("NOCTAYA_MAX_QUEUE") == "64", timeout=30)
+        rendered = time.monotonic() - t0
+        assert before["NOCTAYA_MAX_QUEUE"] == "100", before
+        replaced = model.gateways.rolling_update(ADMIN_PORT, endpoints_lag=ENDPOINTS_LAG_SECONDS, note=timeline.note)
+        rolled = time.monotonic() - t0
+        idle.ask_once()
+        time.sleep(2.0)  # the new gateway alone, a little longer
+    finally:
+        load.stop()
+        idle.stop()
+    (done,) = replaced
+    timeline.note(f"idle client: {idle.answered} answered, failures {idle.failures}, {idle.retries} retries, "
+                  f"by {idle.by_address}")
+    assert idle.failures == [] and idle.by_address == {done.old_address: 1, done.new_address: 1}, timeline.text()
+    timeline.note(f"load: {load.answered} answered, {len(load.failures)} failed, {load.retries} retries, "
+                  f"non-2xx {load.refused}, by address {load.by_address}, connections by endpoint "
+                  f"{ {n: ip.connections for n, ip in model.gateways.service_ips.items()} }")
+    assert load.failures == [], (load.failures[:5], timeline.text())
+    assert load.by_address.get(done.old_address, 0) > 0 and load.by_address.get(done.new_address, 0) > 0, \
+        timeline.text()
+    assert set(load.by_address) <= {done.old_address, done.new_address}, load.by_address
+    assert not done.killed and done.exit_code == 0, timeline.text()
+    assert done.exited_after is not None and delay <= done.exited_after < done.grace, timeline.text()
+
+    # The API side of the same rollout: the new ReplicaSet took over, the old one is at zero.
+    def rolled_out() -> bool:
+        dep = model.get("deployment", "-gateway")
+        status = (dep or {}).get("status") or {}
+        return status.get("updatedReplicas") == status.get("readyReplicas") == dep["spec"]["replicas"] and \
+            status.get("replicas") == dep["spec"]["replicas"]
+
+    model.wait("the gateway Deployment's rollout complete in the API (new ReplicaSet only)", rolled_out, timeout=30)
+    # KEDA's external-push stream follows the scaler Service's name to the new gateway's scaler.
+    model.wait("KEDA connected to the new gateway's scaler",
+               lambda: established(done.new_address, SCALER_PORT) >= 1, timeout=60)
+    keda = time.monotonic() - t0 - rolled  # rolling_update returned when the old Pod exited
+    scaled = conditions(model.get("scaledobject", "-backend"))
+    assert scaled.get("Ready", "").startswith("True"), (scaled, timeline.text())
+    assert model.server.pods_seen == backend_pods and model.replicas() == 1, timeline.text()  # the backend stayed
+    old_answers, new_answers = load.by_address[done.old_address], load.by_address[done.new_address]
+    print(f"\ngateway rolling update under `openai` load (Service name, SDK retries): {load.answered} answered "
+          f"({old_answers} by the old Pod, {new_answers} by the new), 0 failed, {load.retries} retries "
+          f"(non-2xx seen: {load.refused or 'none'}); spec change -> template rendered {rendered:.1f} s, "
+          f"-> old Pod SIGTERMed {done.terminated + rendered:.1f} s; old Pod out of its Services "
+          f"{ENDPOINTS_LAG_SECONDS} s after SIGTERM, exited 0 {done.exited_after:.1f} s after it (drain delay "
+          f"{delay:.0f} s, grace {done.grace:.0f} s); KEDA on the new scaler {keda:.1f} s after the old one exited; "
+          f"whole rollout {rolled:.1f} s; a client idle across it: next call answered by the new Pod, "
+          f"{idle.retries} retries")
 
 
 @pytest.mark.timeout(420)
