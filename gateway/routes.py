@@ -21,10 +21,14 @@ import dataclasses
 import json
 import logging
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import unquote
 
 import gevent
+from gevent.hub import Waiter
 
 from gateway import cold
 from gateway import metrics as metrics_module
@@ -67,13 +71,57 @@ _SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no
                 (b"X-Accel-Buffering", b"no")]
 
 
+class _IdleTurns:
+    """One hub's scans waiting for the loop to be idle, served one at a time, round-robin: each idle
+    moment of the loop resumes one scan for one step, then the loop polls its sockets again.
+
+    With an idle watcher per scan (``gevent.idle()`` in each), libev resumed every waiting scan at the
+    same idle moment, one after another with no poll between them: with four 8 MiB hostile bodies in
+    flight a round was four steps (~30-130 ms: the longest step is msgspec's one C call, ~30 ms), and
+    a warm request waited one round at each of its socket waits (its body, its backend's answer):
+    p99 ~240 ms against ~5 ms quiet on a shared gateway (tests/gateway/test_loop_starvation.py).
+    Served one per idle moment, a socket wait is behind one step at most, and the scans still share
+    the idle CPU in turns (a small body's one or two pauses are not stuck behind a large one's)."""
+
+    def __init__(self, hub: Any) -> None:
+        self._waiters: deque[Waiter] = deque()
+        self._watcher = hub.loop.idle()
+
+    def wait(self) -> None:
+        waiter = Waiter()
+        self._waiters.append(waiter)
+        if not self._watcher.active:
+            self._watcher.start(self._turn)
+        try:
+            waiter.get()
+        finally:  # killed (the client left) or timed out while waiting: give up the place in line
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            if not self._waiters:
+                self._watcher.stop()
+
+    def _turn(self) -> None:  # in the hub, at an idle moment
+        waiter = self._waiters.popleft()
+        if not self._waiters:
+            self._watcher.stop()
+        waiter.switch(None)
+
+
+_idle_turns: weakref.WeakKeyDictionary[Any, _IdleTurns] = weakref.WeakKeyDictionary()  # per hub (thread)
+
+
 def yield_to_loop() -> None:
     """Between steps of a body's JSON scan: the hub serves everything else first (sockets, timers,
     other greenlets: the admin port's probes, KEDA's scaler calls, other clients) and resumes the
-    scan when it is idle. ``gevent.sleep(0)`` was not enough: it queues the scan as a callback that
-    runs on every turn of the loop, so a probe that needs several turns waited behind a step of
-    every scan in flight at each of them (0.6-1.1 s with four 8 MiB bodies)."""
-    gevent.idle()
+    scan when it is idle, one scan per idle moment (:class:`_IdleTurns`). ``gevent.sleep(0)`` was
+    not enough: it queues the scan as a callback that runs on every turn of the loop, so a probe that
+    needs several turns waited behind a step of every scan in flight at each of them (0.6-1.1 s with
+    four 8 MiB bodies)."""
+    hub = gevent.get_hub()
+    turns = _idle_turns.get(hub)
+    if turns is None:
+        turns = _idle_turns[hub] = _IdleTurns(hub)
+    turns.wait()
 
 
 class RequestBody:

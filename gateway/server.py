@@ -66,6 +66,10 @@ log = logging.getLogger("noctaya.gateway")
 
 WATCHDOG_SECONDS = 0.25
 LAZY_WATCH_SECONDS = 0.25
+# A body arriving at line rate never makes recv wait, so without a yield its whole read (8 MiB:
+# ~10-20 ms of recv, parsing and copying on a busy worker) held the loop: other clients' warm
+# requests, probes and KEDA's calls waited behind every large upload (tests/gateway/test_loop_starvation.py).
+BODY_YIELD_BYTES = 256 * 1024
 ADMIN_MAX_CONNECTIONS = 64  # concurrent connections on the admin port (scrapes, operators), per worker
 JSON = b"application/json"
 MAX_REQUEST_ID = 128
@@ -273,9 +277,14 @@ class ClientConnection:
             self._message_read()
             return piece
         parts = []
+        unyielded = 0
         for piece in self.body_pieces(limit):
             uploads.take(len(piece))
             parts.append(piece)
+            unyielded += len(piece)
+            if unyielded >= BODY_YIELD_BYTES:
+                unyielded = 0
+                gevent.sleep(0)  # the others' ready sockets are served before the next piece
         return b"".join(parts)
 
     def _message_read(self) -> None:

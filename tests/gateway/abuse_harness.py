@@ -311,7 +311,10 @@ class GatewayPod:
             other = {"name": OTHER_MODEL, "backendURL": f"http://127.0.0.1:{other_backend_port or free_port()}",
                      **(other_model or {})}
             table.write_text(json.dumps({"models": [table_entry(env), other]}))
-            env = {k: v for k, v in env.items() if k not in ("NOCTAYA_BACKEND_URL", "NOCTAYA_SERVED_MODEL_NAME")}
+            # The key file too: the hooks render a shared gateway's keys into its table only (a key
+            # file in the Pod's env would be every model's, OTHER_MODEL's included).
+            env = {k: v for k, v in env.items()
+                   if k not in ("NOCTAYA_BACKEND_URL", "NOCTAYA_SERVED_MODEL_NAME", "NOCTAYA_AUTH_KEY_FILE")}
             env["NOCTAYA_MODEL_TABLE_FILE"] = str(table)
         self.env = env
         full = {k: v for k, v in os.environ.items() if not k.startswith("NOCTAYA_")}
