@@ -202,7 +202,7 @@ def _aggregate(args: argparse.Namespace) -> int:
     # reports is answered by the asking ScaledObject when some gateway reports a model for it (a
     # renamed member before the gateways reload), else it is idle.
     scaler = _start_grpc(args, broadcaster, scaler_settings, tls, models=aggregator.reported_model_source,
-                         members=aggregator.scaled_object_source, unlisted=aggregator.model_source,
+                         members=aggregator.scaled_object_source, unlisted=aggregator.unlisted_source,
                          model_required=False, on_certificate=aggregator.certificates.listener("scaler"))
     if scaler is None:
         return 1

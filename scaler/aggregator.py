@@ -405,7 +405,20 @@ class _Sources:
             del self._sources[key]
             self._asked.pop(key, None)
 
-    def get(self, key: str) -> DemandBroadcaster:
+    def __contains__(self, key: object) -> bool:
+        return key in self._sources
+
+    def follow(self, demand_of: Callable[[Any], Demand | None]) -> None:
+        """Publish to every kept key what ``demand_of`` says it has now (no demand where it says
+        None): for keys made by triggers only, whose demand is derived from other keys'."""
+        self.reported = {}
+        for key, source in self._sources.items():
+            demand = demand_of(key)
+            if demand is not None:
+                self.reported[key] = demand
+            source.publish(demand if demand is not None else Demand())
+
+    def get(self, key: Any) -> DemandBroadcaster:
         """``key``'s broadcaster, made (idle) if need be; beyond the bound one that is not kept."""
         source = self._sources.get(key)
         if source is None:
@@ -448,6 +461,11 @@ class Aggregator:
         # model nobody reports (a renamed member's new name, before the replicas reload) gets when
         # its ScaledObject is reported. Entries are made by reports only.
         self._scaled_objects = _Sources(settings.max_models, settings.member_ttl, clock)
+        # Per (model, ScaledObject) of a trigger that asked while neither was reported (an idle
+        # member): it follows the model's demand, else the ScaledObject's. A stream keeps the object
+        # it was given, so one opened by a renamed member's new name while the member was idle must
+        # still wake when a request arrives under the old name at a replica not yet reloaded.
+        self._unlisted = _Sources(settings.max_models, settings.member_ttl, clock)
         self._report_slots = threading.BoundedSemaphore(settings.max_concurrent_reports)
         self._stop = threading.Event()
         self._httpd: _BoundedHTTPServer | None = None
@@ -468,6 +486,12 @@ class Aggregator:
         # From every report that carries it, under whichever name: a stream given a ScaledObject's
         # broadcaster keeps following its member after the replicas report the new name.
         self._scaled_objects.publish(self._table.scaled_object_totals())
+        self._unlisted.follow(self._unlisted_demand)
+
+    def _unlisted_demand(self, key: tuple[str, str]) -> Demand | None:
+        name, scaled_object = key
+        demand = self._models.reported.get(name)
+        return demand if demand is not None else self._scaled_objects.reported.get(scaled_object)
 
     def model_source(self, name: str) -> DemandBroadcaster:
         """The demand of ``model`` (the ExternalScaler's resolver for a trigger naming a model): a
@@ -476,6 +500,16 @@ class Aggregator:
         kept (a stream on it stays ``false`` until KEDA reopens it)."""
         with self._lock:
             return self._models.get(name)
+
+    def unlisted_source(self, name: str, namespace: str, scaled_object: str) -> DemandBroadcaster:
+        """The answer for a trigger whose model nobody reports and whose ScaledObject no report
+        names: idle now, following the model's demand once reported, else its ScaledObject's."""
+        key = (name, f"{namespace}/{scaled_object}")
+        with self._lock:
+            source = self._unlisted.get(key)
+            demand = self._unlisted_demand(key)
+            source.publish(demand if demand is not None else Demand())
+            return source
 
     def reported_model_source(self, name: str) -> DemandBroadcaster | None:
         """``name``'s demand if some member reports it now, else None (the scaler then asks

@@ -186,7 +186,7 @@ def start_scaler_server(
     models: Callable[[str], DemandBroadcaster | None] | None = None,
     model_required: bool = True,
     members: Callable[[str, str], DemandBroadcaster | None] | None = None,
-    unlisted: Callable[[str], DemandBroadcaster] | None = None,
+    unlisted: Callable[[str, str, str], DemandBroadcaster] | None = None,
     on_certificate: CertificateListener | None = None,
 ) -> ScalerServer:
     """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).

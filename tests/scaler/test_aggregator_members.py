@@ -181,7 +181,7 @@ def aggregate(token_file) -> Iterator[tuple[Aggregator, pb_grpc.ExternalScalerSt
     agg = Aggregator(AggregatorSettings(token_file=str(token_file), member_ttl=5.0), DemandBroadcaster())
     agg.start("127.0.0.1", 0)
     server = start_scaler_server(agg.broadcaster, 0, host="127.0.0.1", models=agg.reported_model_source,
-                                 members=agg.scaled_object_source, unlisted=agg.model_source, model_required=False)
+                                 members=agg.scaled_object_source, unlisted=agg.unlisted_source, model_required=False)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
         yield agg, pb_grpc.ExternalScalerStub(channel)
@@ -267,6 +267,42 @@ def test_a_stream_opened_by_the_new_name_follows_the_member_across_the_reload(ag
         stream.cancel()
 
 
+def test_a_stream_opened_by_the_new_name_of_an_idle_member_wakes_for_a_request_under_the_old_name(aggregate) -> None:
+    """The member is idle when it is renamed: KEDA reopens its stream with model=qwen-14b while
+    nothing is reported. A request then arrives under the old name at a replica not reloaded yet:
+    the stream the new name was given follows the ScaledObject, so it says true at once (not at
+    KEDA's next poll, minutes away for a shared gateway's member), then false when it ends, and it
+    follows the new name once the replicas report it."""
+    agg, stub = aggregate
+    post = poster(agg)
+    pushes: queue.Queue[bool] = queue.Queue()
+    stream = stub.StreamIsActive(ref("qwen-14b", "ns/qwen"))
+
+    def follow() -> None:
+        try:
+            for answer in stream:
+                pushes.put(answer.result)
+        except grpc.RpcError:  # cancelled at the end
+            pass
+
+    threading.Thread(target=follow, daemon=True).start()
+    try:
+        assert pushes.get(timeout=10) is False  # idle: nothing reported for the name or the object
+        post(body("g1", 1, {"qwen-7b": (1, "ns/qwen")}))  # the old name, on a replica not reloaded
+        assert pushes.get(timeout=10) is True
+        post(body("g1", 2, {}))
+        assert wait_until(lambda: not pushes.empty() and pushes.queue[-1] is False)
+        while not pushes.empty():
+            pushes.get_nowait()
+        post(body("g1", 3, {"qwen-14b": (1, None)}))  # reloaded (by name only, as an older replica)
+        assert pushes.get(timeout=10) is True
+        # Another member's demand is not this stream's.
+        post(body("g1", 4, {"other": (1, "ns/other")}))
+        assert wait_until(lambda: not pushes.empty() and pushes.queue[-1] is False)
+    finally:
+        stream.cancel()
+
+
 def test_a_reporter_sends_the_scaled_object_of_each_model_its_table_names(token_file) -> None:
     agg = Aggregator(AggregatorSettings(token_file=str(token_file)), DemandBroadcaster())
     agg.start("127.0.0.1", 0)
@@ -285,3 +321,13 @@ def test_a_reporter_sends_the_scaled_object_of_each_model_its_table_names(token_
     finally:
         reporter.stop()
         agg.stop()
+
+
+def test_the_map_of_unlisted_triggers_stays_bounded(token_file) -> None:
+    agg = Aggregator(AggregatorSettings(token_file=str(token_file), max_models=2), DemandBroadcaster())
+    asked = [agg.unlisted_source(f"m{i}", "ns", f"so{i}") for i in range(4)]  # the bound: 2 * max_models
+    assert agg.unlisted_source("m0", "ns", "so0") is asked[0]
+    beyond = agg.unlisted_source("m4", "ns", "so4")  # asked within the TTL: none of the four is dropped
+    assert beyond.current() == Demand() and agg.unlisted_source("m4", "ns", "so4") is not beyond
+    assert agg.apply(Report("g1", 1, 0, 0, False, False, (("m1", 1, 0, False),), ())) == "accepted"
+    assert asked[1].current() == Demand(queued=1)  # a kept one follows its model
