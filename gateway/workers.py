@@ -398,6 +398,7 @@ def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand, pod: PodSta
         reporter = DemandReporter(config.aggregator_url, config.aggregator_token_file, demand.changes,
                                   previous_token_file=config.aggregator_previous_token_file,
                                   ca_file=config.aggregator_ca_file, models=demand.demands,
+                                  scaled_objects=demand.scaled_objects_by_model,
                                   on_model_pushed=demand.mark_pushed).start()
         return [lambda: reporter.stop(withdraw=True)]
     return []

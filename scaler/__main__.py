@@ -198,8 +198,11 @@ def _aggregate(args: argparse.Namespace) -> int:
     broadcaster = DemandBroadcaster()
     aggregator = Aggregator(settings, broadcaster)
     # A trigger naming a model (a shared gateway's ScaledObject) gets that model's sum over the
-    # gateways; one without gets the sum of everything, as for a per-model gateway.
-    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, models=aggregator.model_source,
+    # gateways; one without gets the sum of everything, as for a per-model gateway. A model nobody
+    # reports is answered by the asking ScaledObject when some gateway reports a model for it (a
+    # renamed member before the gateways reload), else it is idle.
+    scaler = _start_grpc(args, broadcaster, scaler_settings, tls, models=aggregator.reported_model_source,
+                         members=aggregator.scaled_object_source, unlisted=aggregator.unlisted_source,
                          model_required=False, on_certificate=aggregator.certificates.listener("scaler"))
     if scaler is None:
         return 1

@@ -7,10 +7,17 @@ metadata (``model``) and is answered from the sum of that model's demand over th
 aggregator has no table: a model no replica reports is inactive with metric 0. A trigger without
 ``model`` gets the sum of the reports' own counts, as before.
 
+A model's demand belongs to its member: a shared gateway reports, with each model, the member's
+ScaledObject when its table names it (``scaledObject``: "<namespace>/<name>", which a rename does not
+change), and the aggregator sums the demand per ScaledObject too. A trigger whose ``model`` nobody
+reports is answered by the asking ScaledObject if some replica reports a model for it: the hooks
+rewrite a renamed member's ScaledObject at once, while the replicas report under the old name until
+the kubelet brings them the new table, and a request held across the rename must still wake KEDA.
+
 Everything is bounded: concurrent connections, concurrent reports (429 beyond), body size (413),
 member count (429 for a new member beyond), per-member demand (clamped, per model too), models per
-report (400 beyond ``MAX_REPORT_MODELS``), distinct models reported at once (429 beyond
-``max_models``), tombstones of withdrawn members. State is memory only; after a restart the
+report (400 beyond ``MAX_REPORT_MODELS``), distinct models and distinct ScaledObjects reported at
+once (429 beyond ``max_models`` each), tombstones of withdrawn members. State is memory only; after a restart the
 gateways' 2 s heartbeats rebuild it.
 """
 
@@ -38,7 +45,8 @@ from scaler.demand import Demand, DemandBroadcaster
 from scaler.secretfiles import read_secret_file
 from scaler.tls import ReloadingServerContext, ServedCertificates, TLSFiles
 
-__all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "parse_report", "read_token_file"]
+__all__ = ["AggregatorSettings", "MemberTable", "Report", "ReportError", "Aggregator", "parse_report", "read_token_file",
+           "valid_scaled_object"]
 
 log = logging.getLogger("noctaya.scaler.aggregator")
 
@@ -50,6 +58,17 @@ _MAX_SEQ = 2**63 - 1
 _MAX_REPORT_DEPTH = 3
 MAX_REPORT_MODELS = 256  # = the model table's bound (gateway.modeltable.MAX_MODELS)
 MAX_MODEL_NAME = 256  # = the model table's bound on a served name
+# "<namespace>/<name>" of a member's ScaledObject: a namespace is a DNS label (63), a ScaledObject's
+# name a DNS subdomain (253), both lowercase ASCII; checked whole, so nothing else is ever kept.
+MAX_SCALED_OBJECT = 63 + 1 + 253
+_SCALED_OBJECT_RE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?")
+
+
+def valid_scaled_object(value: object) -> bool:
+    """Whether ``value`` is "<namespace>/<name>" of a Kubernetes object (what a report may carry as
+    a model's ``scaledObject``)."""
+    return (isinstance(value, str) and len(value) <= MAX_SCALED_OBJECT
+            and _SCALED_OBJECT_RE.fullmatch(value) is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +79,9 @@ class AggregatorSettings:
     max_member_demand: int = 100  # = the gateway's maxQueue, which counts waiting and in-flight
     member_ttl: float = 10.0
     max_concurrent_reports: int = 16
-    # A shared gateway's report names up to 256 models of up to 256 characters (1 KiB in UTF-8 each).
-    max_body_bytes: int = 320 * 1024
+    # A shared gateway's report names up to 256 models of up to 256 characters (1 KiB in UTF-8 each),
+    # each with its member's ScaledObject (at most 317 ASCII characters).
+    max_body_bytes: int = 384 * 1024
     max_connections: int = 256
     socket_timeout: float = 10.0  # idle keep-alive clients release their thread after this
     # Identity bound to the Pod: a member belongs to the address that first reported it, and one
@@ -71,7 +91,8 @@ class AggregatorSettings:
     # (headers and body; a byte every few seconds does not extend it).
     max_connections_per_address: int = 4
     request_deadline: float = 2.0
-    # Distinct models reported at once over all members (a shared gateway's table has at most 256).
+    # Distinct models reported at once over all members (a shared gateway's table has at most 256),
+    # and distinct ScaledObjects named with them.
     max_models: int = 256
 
     def __post_init__(self) -> None:
@@ -100,6 +121,8 @@ class Report:
     # A shared gateway's demand per model: (name, queued, in flight, lease active), each name once.
     # None: a per-model gateway's report (no ``models`` key).
     models: tuple[tuple[str, int, int, bool], ...] | None = None
+    # The member's ScaledObject of each model that names one: (name, "<namespace>/<name>").
+    scaled_objects: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_json(cls, data: Any) -> Report:
@@ -123,18 +146,20 @@ class Report:
 
         if "seq" not in data:
             raise ReportError("seq is required")
+        models, scaled_objects = _models(data["models"]) if "models" in data else (None, ())
         return cls(member, count("seq"), count("queued"), count("inFlight"), flag("leaseActive"), flag("withdraw"),
-                   _models(data["models"]) if "models" in data else None)
+                   models, scaled_objects)
 
 
-def _models(raw: Any) -> tuple[tuple[str, int, int, bool], ...]:
-    """``{"<model>": {"queued": n, "inFlight": n, "leaseActive": bool}, ...}`` (a model left out has
-    no demand)."""
+def _models(raw: Any) -> tuple[tuple[tuple[str, int, int, bool], ...], tuple[tuple[str, str], ...]]:
+    """``{"<model>": {"queued": n, "inFlight": n, "leaseActive": bool, "scaledObject": "ns/name"}, ...}``
+    (a model left out has no demand; ``scaledObject`` is optional: gateways before it send none)."""
     if not isinstance(raw, dict):
         raise ReportError("models must be an object of model name -> demand")
     if len(raw) > MAX_REPORT_MODELS:
         raise ReportError(f"models names {len(raw)} models; a report carries at most {MAX_REPORT_MODELS}")
     models = []
+    scaled_objects: list[tuple[str, str]] = []
     for name, demand in raw.items():
         if not name or len(name) > MAX_MODEL_NAME or not name.isprintable():
             raise ReportError(f"a model name must be 1-{MAX_MODEL_NAME} printable characters")
@@ -150,7 +175,13 @@ def _models(raw: Any) -> tuple[tuple[str, int, int, bool], ...]:
         if not isinstance(lease, bool):
             raise ReportError("models: leaseActive must be a boolean")
         models.append((name, counts[0], counts[1], lease))
-    return tuple(models)
+        if "scaledObject" in demand:
+            scaled_object = demand["scaledObject"]
+            if not valid_scaled_object(scaled_object):
+                raise ReportError(f'models: scaledObject must be "<namespace>/<name>" of a Kubernetes object '
+                                  f"(at most {MAX_SCALED_OBJECT} characters)")
+            scaled_objects.append((name, scaled_object))
+    return tuple(models), tuple(scaled_objects)
 
 
 def parse_report(body: bytes) -> Report:
@@ -198,6 +229,7 @@ class _Member:
     seen_at: float
     owner: str | None  # the source address that first reported this member (None: not bound)
     models: dict[str, Demand] | None = None  # a shared gateway's demand per model (clamped)
+    scaled_objects: dict[str, str] | None = None  # model -> its member's ScaledObject, where reported
 
 
 class MemberTable:
@@ -247,7 +279,7 @@ class MemberTable:
             if owner is not None and sum(
                     1 for m in self._members.values() if m.owner == owner) >= self._settings.max_members_per_address:
                 return "full"
-        models = None
+        models = scaled_objects = None
         if report.models is not None:
             models = {}
             for name, model_queued, model_in_flight, lease in report.models:
@@ -257,10 +289,15 @@ class MemberTable:
                       for name in entry.models}
             if len(others | models.keys()) > self._settings.max_models:
                 return "models_full"
+            scaled_objects = dict(report.scaled_objects)
+            others = {so for m, entry in self._members.items() if m != report.member and entry.scaled_objects
+                      for so in entry.scaled_objects.values()}
+            if len(others | set(scaled_objects.values())) > self._settings.max_models:
+                return "models_full"
         self._tombstones.pop(report.member, None)
         queued, in_flight = self.clamp(report.queued, report.in_flight)
         self._members[report.member] = _Member(report.seq, Demand(queued, in_flight, report.lease_active), now, owner,
-                                               models)
+                                               models, scaled_objects)
         return "accepted"
 
     def expire(self, now: float | None = None) -> int:
@@ -290,6 +327,21 @@ class MemberTable:
                     known.lease_active or demand.lease_active)
         return totals
 
+    def scaled_object_totals(self) -> dict[str, Demand]:
+        """The demand of each reported ScaledObject ("<namespace>/<name>"): the models reported with
+        it, summed over the members (at most ``max_models`` ScaledObjects)."""
+        totals: dict[str, Demand] = {}
+        for member in self._members.values():
+            for name, scaled_object in (member.scaled_objects or {}).items():
+                demand = (member.models or {}).get(name)
+                if demand is None:
+                    continue
+                known = totals.get(scaled_object)
+                totals[scaled_object] = demand if known is None else Demand(
+                    known.queued + demand.queued, known.in_flight + demand.in_flight,
+                    known.lease_active or demand.lease_active)
+        return totals
+
 
 read_token_file = read_secret_file  # the report token: reread per report, so rotation needs no restart
 
@@ -307,6 +359,75 @@ class _Metrics:
                             registry=registry)
         self.expired = Counter("noctaya_aggregator_members_expired", "Members dropped after the TTL",
                                registry=registry)
+
+
+class _Sources:
+    """Broadcasters by key (a model name, or a ScaledObject), each kept while its key is reported,
+    asked for within a TTL, or waited on; not thread-safe (the Aggregator's lock)."""
+
+    def __init__(self, max_reported: int, ttl: float, clock: Callable[[], float]) -> None:
+        self._bound = 2 * max_reported
+        self._ttl = ttl
+        self._clock = clock
+        self._sources: dict[str, DemandBroadcaster] = {}
+        self._asked: dict[str, float] = {}
+        self.reported: dict[str, Demand] = {}
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def publish(self, reported: dict[str, Demand]) -> None:
+        previous, self.reported = self.reported, reported
+        for key in previous.keys() - reported.keys():  # no longer reported by anyone: no demand
+            source = self._sources.get(key)
+            if source is not None:
+                source.publish(Demand())
+        for key, demand in reported.items():
+            source = self._sources.get(key)
+            if source is None:
+                # Always kept: reported keys are at most max_models (MemberTable refuses more). Keys
+                # made by reports alone (ScaledObjects) are pruned here, as they come and go.
+                self._prune()
+                source = self._sources[key] = DemandBroadcaster()
+                self._asked.setdefault(key, self._clock())
+            source.publish(demand)
+
+    def _prune(self) -> None:
+        """With the map full: drop the broadcasters of keys nobody reports, no stream waits on and
+        no trigger asked for within a TTL. Only then: a stream holds the object it was given, so an
+        entry dropped under it would never wake it again (a full map means callers beyond the
+        table's models, and they are the ones to lose)."""
+        if len(self._sources) < self._bound:
+            return
+        limit = self._clock() - self._ttl
+        for key in [k for k, source in self._sources.items() if k not in self.reported
+                    and source.waiter_count == 0 and self._asked.get(k, 0.0) <= limit]:
+            del self._sources[key]
+            self._asked.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sources
+
+    def follow(self, demand_of: Callable[[Any], Demand | None]) -> None:
+        """Publish to every kept key what ``demand_of`` says it has now (no demand where it says
+        None): for keys made by triggers only, whose demand is derived from other keys'."""
+        self.reported = {}
+        for key, source in self._sources.items():
+            demand = demand_of(key)
+            if demand is not None:
+                self.reported[key] = demand
+            source.publish(demand if demand is not None else Demand())
+
+    def get(self, key: Any) -> DemandBroadcaster:
+        """``key``'s broadcaster, made (idle) if need be; beyond the bound one that is not kept."""
+        source = self._sources.get(key)
+        if source is None:
+            self._prune()
+            if len(self._sources) >= self._bound:
+                return DemandBroadcaster()
+            source = self._sources[key] = DemandBroadcaster()
+        self._asked[key] = self._clock()
+        return source
 
 
 class Aggregator:
@@ -335,9 +456,16 @@ class Aggregator:
         # was last asked for. Reported models are at most max_models; the rest exist only while a
         # trigger asks (a stream must wait on the object a later report publishes to), so the map
         # holds at most 2 * max_models, and unreported, unwatched entries are dropped.
-        self._models: dict[str, DemandBroadcaster] = {}
-        self._asked: dict[str, float] = {}
-        self._reported: dict[str, Demand] = {}
+        self._models = _Sources(settings.max_models, settings.member_ttl, clock)
+        # Per member's ScaledObject ("<namespace>/<name>"), the same way: what a trigger naming a
+        # model nobody reports (a renamed member's new name, before the replicas reload) gets when
+        # its ScaledObject is reported. Entries are made by reports only.
+        self._scaled_objects = _Sources(settings.max_models, settings.member_ttl, clock)
+        # Per (model, ScaledObject) of a trigger that asked while neither was reported (an idle
+        # member): it follows the model's demand, else the ScaledObject's. A stream keeps the object
+        # it was given, so one opened by a renamed member's new name while the member was idle must
+        # still wake when a request arrives under the old name at a replica not yet reloaded.
+        self._unlisted = _Sources(settings.max_models, settings.member_ttl, clock)
         self._report_slots = threading.BoundedSemaphore(settings.max_concurrent_reports)
         self._stop = threading.Event()
         self._httpd: _BoundedHTTPServer | None = None
@@ -353,32 +481,17 @@ class Aggregator:
         self._metrics.lease.set(1 if total.lease_active else 0)
         self.broadcaster.publish(total)
         reported = self._table.model_totals()
-        previous, self._reported = self._reported, reported
         self._metrics.models.set(len(reported))
-        for name, demand in reported.items():
-            source = self._models.get(name)
-            if source is None:
-                # Always kept: reported models are at most max_models (MemberTable refuses more).
-                source = self._models[name] = DemandBroadcaster()
-                self._asked.setdefault(name, self._clock())
-            source.publish(demand)
-        for name in previous.keys() - reported.keys():  # no longer reported by anyone: no demand
-            source = self._models.get(name)
-            if source is not None:
-                source.publish(Demand())
+        self._models.publish(reported)
+        # From every report that carries it, under whichever name: a stream given a ScaledObject's
+        # broadcaster keeps following its member after the replicas report the new name.
+        self._scaled_objects.publish(self._table.scaled_object_totals())
+        self._unlisted.follow(self._unlisted_demand)
 
-    def _prune_locked(self) -> None:
-        """With the map full: drop the broadcasters of models nobody reports, no stream waits on and
-        no trigger asked for within a TTL. Only then: a stream holds the object it was given, so an
-        entry dropped under it would never wake it again (a full map means callers beyond the
-        table's models, and they are the ones to lose)."""
-        if len(self._models) < 2 * self.settings.max_models:
-            return
-        limit = self._clock() - self.settings.member_ttl
-        for name in [n for n, source in self._models.items() if n not in self._reported
-                     and source.waiter_count == 0 and self._asked.get(n, 0.0) <= limit]:
-            del self._models[name]
-            self._asked.pop(name, None)
+    def _unlisted_demand(self, key: tuple[str, str]) -> Demand | None:
+        name, scaled_object = key
+        demand = self._models.reported.get(name)
+        return demand if demand is not None else self._scaled_objects.reported.get(scaled_object)
 
     def model_source(self, name: str) -> DemandBroadcaster:
         """The demand of ``model`` (the ExternalScaler's resolver for a trigger naming a model): a
@@ -386,20 +499,43 @@ class Aggregator:
         no table. Beyond the map's bound an unreported model gets an idle broadcaster that is not
         kept (a stream on it stays ``false`` until KEDA reopens it)."""
         with self._lock:
-            source = self._models.get(name)
-            if source is None:
-                self._prune_locked()
-                if len(self._models) >= 2 * self.settings.max_models:
-                    return DemandBroadcaster()
-                source = self._models[name] = DemandBroadcaster()
-            self._asked[name] = self._clock()
+            return self._models.get(name)
+
+    def unlisted_source(self, name: str, namespace: str, scaled_object: str) -> DemandBroadcaster:
+        """The answer for a trigger whose model nobody reports and whose ScaledObject no report
+        names: idle now, following the model's demand once reported, else its ScaledObject's."""
+        key = (name, f"{namespace}/{scaled_object}")
+        with self._lock:
+            source = self._unlisted.get(key)
+            demand = self._unlisted_demand(key)
+            source.publish(demand if demand is not None else Demand())
             return source
+
+    def reported_model_source(self, name: str) -> DemandBroadcaster | None:
+        """``name``'s demand if some member reports it now, else None (the scaler then asks
+        ``scaled_object_source``, then ``model_source``)."""
+        with self._lock:
+            return self._models.get(name) if name in self._models.reported else None
+
+    def scaled_object_source(self, namespace: str, name: str) -> DemandBroadcaster | None:
+        """The demand of the member whose ScaledObject this is, if some member reports a model for
+        it now, else None: the answer for a trigger whose model nobody reports (a renamed member,
+        asked by its new name before the replicas have reloaded)."""
+        key = f"{namespace}/{name}"
+        with self._lock:
+            return self._scaled_objects.get(key) if key in self._scaled_objects.reported else None
 
     @property
     def model_count(self) -> int:
         """Models held (reported, or asked for recently)."""
         with self._lock:
             return len(self._models)
+
+    @property
+    def scaled_object_count(self) -> int:
+        """ScaledObjects held (reported, or asked for recently)."""
+        with self._lock:
+            return len(self._scaled_objects)
 
     def apply(self, report: Report, owner: str | None = None) -> str:
         with self._lock:

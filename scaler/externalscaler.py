@@ -143,6 +143,7 @@ class ExternalScalerServicer:
         models: Callable[[str], DemandBroadcaster | None] | None = None,
         model_required: bool = True,
         members: Callable[[str, str], DemandBroadcaster | None] | None = None,
+        unlisted: Callable[[str, str, str], DemandBroadcaster] | None = None,
     ) -> None:
         # ``models``: a shared gateway's demand per model, looked up by the trigger metadata's
         # ``model`` on every call (the table can change); ``source`` is then unused, unless
@@ -158,6 +159,10 @@ class ExternalScalerServicer:
         # ``model`` the gateway does not list (yet): a member renamed while the kubelet has not
         # brought the new table to the Pod. The member's demand follows the member.
         self._members = members
+        # ``unlisted``: the answer for a ``model`` neither resolver knows, by (model, namespace,
+        # ScaledObject) (the aggregate scaler: a model nobody reports is idle, never NOT_FOUND);
+        # without it such a model is NOT_FOUND.
+        self._unlisted = unlisted
         self._model_required = model_required
         self._settings = settings
         self._stopping = False
@@ -215,6 +220,8 @@ class ExternalScalerServicer:
         source = self._models(name)
         if source is None and self._members is not None:
             source = self._members(ref.namespace, ref.name)
+        if source is None and self._unlisted is not None:
+            source = self._unlisted(name, ref.namespace, ref.name)
         if source is None:
             context.abort(Status.NOT_FOUND, f"this gateway fronts no model {name[:100]!r}")
         return source

@@ -14,7 +14,9 @@ first cold request must reach KEDA at once, a change of count can wait 50 ms.
 A shared gateway's reporter also sends each model's demand (``models``: the models with any demand;
 a model left out has none, so a report is still the member's complete state). Its broadcaster then
 carries the sum over the models and changes whenever any model's demand does; the per-model
-answers are the aggregator's (per ScaledObject trigger metadata ``model``).
+answers are the aggregator's (per ScaledObject trigger metadata ``model``). Each model's object also
+names its member's ScaledObject (``scaledObject``: "<namespace>/<name>") when the table does, so the
+aggregator can answer a renamed member's ScaledObject before this replica has the new table.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import requests
 
-from scaler.aggregator import MAX_REPORT_MODELS, read_token_file
+from scaler.aggregator import MAX_REPORT_MODELS, read_token_file, valid_scaled_object
 from scaler.demand import Demand, DemandBroadcaster
 
 __all__ = ["DemandReporter"]
@@ -66,6 +68,7 @@ class DemandReporter:
         on_pushed: Callable[[float], None] | None = None,
         models: Callable[[], Mapping[str, Demand]] | None = None,
         on_model_pushed: Callable[[str, float], None] | None = None,
+        scaled_objects: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         if ca_file and not url.lower().startswith("https://"):
             # A CA with a plaintext URL means the operator expected TLS: refuse rather than send the
@@ -79,6 +82,8 @@ class DemandReporter:
         # demand was first accepted (its activations are timed from that).
         self._models = models
         self._on_model_pushed = on_model_pushed
+        # A shared gateway: model -> "<namespace>/<name>" of its member's ScaledObject (the table's).
+        self._scaled_objects = scaled_objects
         self.last_models: dict[str, Demand] = {}
         self._log_url = _without_userinfo(url)
         self.token_file = token_file
@@ -128,6 +133,8 @@ class DemandReporter:
         if models is not None:
             body["models"] = {name: {"queued": d.queued, "inFlight": d.in_flight, "leaseActive": d.lease_active}
                               for name, d in models.items()}
+            for name, scaled_object in self._scaled_objects_of(models).items():
+                body["models"][name]["scaledObject"] = scaled_object
         # What requests' json= sends (the same bytes for a per-model gateway), but UTF-8 as it is: a
         # model name of non-ASCII characters costs its bytes, not 6 per character.
         data = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
@@ -166,6 +173,18 @@ class DemandReporter:
             self._log_failure(f"{len(busy)} models with demand; reporting the first {MAX_REPORT_MODELS}")
             busy = dict(list(busy.items())[:MAX_REPORT_MODELS])
         return busy
+
+    def _scaled_objects_of(self, models: Mapping[str, Demand]) -> dict[str, str]:
+        """The ScaledObjects of the reported models that the table names one for. One the aggregator
+        would refuse (not "<namespace>/<name>") is left out rather than cost the whole report."""
+        if self._scaled_objects is None or not models:
+            return {}
+        try:
+            known = self._scaled_objects()
+        except Exception:  # the demand matters more than this hint: report without it
+            log.exception("scaled_objects failed")
+            return {}
+        return {name: so for name in models if valid_scaled_object(so := known.get(name))}
 
     def _models_accepted(self, models: dict[str, Demand]) -> None:
         now = time.monotonic()

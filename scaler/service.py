@@ -185,6 +185,8 @@ def start_scaler_server(
     on_activated: Callable[[float], None] | None = None,
     models: Callable[[str], DemandBroadcaster | None] | None = None,
     model_required: bool = True,
+    members: Callable[[str, str], DemandBroadcaster | None] | None = None,
+    unlisted: Callable[[str, str, str], DemandBroadcaster] | None = None,
     on_certificate: CertificateListener | None = None,
 ) -> ScalerServer:
     """Serve the ExternalScaler on ``host:port`` (port 0 = ephemeral; see ``.port``).
@@ -208,7 +210,7 @@ def start_scaler_server(
         pool = futures.ThreadPoolExecutor(settings.max_streams + settings.unary_workers,
                                           thread_name_prefix="noctaya-scaler")
     servicer = ExternalScalerServicer(broadcaster, settings, on_activated, models=models,
-                                      model_required=model_required)
+                                      model_required=model_required, members=members, unlisted=unlisted)
     server = grpc.server(
         pool,
         maximum_concurrent_rpcs=settings.max_streams + settings.unary_workers + settings.max_pending_rpcs,

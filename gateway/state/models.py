@@ -94,6 +94,12 @@ class ModelDemand:
         """The table's ScaledObjects (``ModelTable.scaled_objects``), replaced whole on each table."""
         self._scaled_objects = dict(scaled_objects)
 
+    def scaled_objects_by_model(self) -> dict[str, str]:
+        """Each listed model's member's ScaledObject, by the model's current name (what a replica
+        reports to the aggregator with the model's demand; a renamed model's old names carry none,
+        so its demand is counted once per ScaledObject)."""
+        return {model: scaled_object for scaled_object, model in self._scaled_objects.items()}
+
     def by_scaled_object(self, namespace: str, name: str) -> DemandBroadcaster | None:
         """The demand of the member whose ScaledObject this is (the scaler's answer when the
         trigger's ``model`` is a name the table does not list yet: a rename the kubelet has not

@@ -110,6 +110,119 @@ def test_a_member_renamed_while_its_request_is_held_completes_and_keda_sees_it_t
         backend.stop()
 
 
+def test_a_member_renamed_while_its_request_is_held_behind_two_reporting_replicas(tmp_path) -> None:
+    """The same with two replicas (report mode) and `python -m scaler aggregate`: a request held cold
+    for qwen-7b on replica 0; the hooks rename the member and KEDA reopens its stream by the new name
+    while neither replica has the new table. The aggregator answers it by the ScaledObject the
+    replicas report with the model, the stream stays true while replica 1 and then replica 0 reload
+    (each on its own kubelet schedule), the test playing KEDA starts the backend on that, and the
+    held request gets 200."""
+    import os
+    import queue
+    import re
+    import subprocess
+    import sys
+
+    import grpc
+
+    from scaler import externalscaler_pb2 as pb
+    from scaler import externalscaler_pb2_grpc as pb_grpc
+
+    backend = FakeBackend()  # scaled to zero: refuses connections until started
+    entry = {"member": "qwen", "scaledObject": "ns/qwen-backend", "backendURL": backend.url,
+             "activationTimeoutSeconds": 60}
+    tables = [tmp_path / f"models-{i}.json" for i in range(2)]  # each replica's own ConfigMap volume
+    for table in tables:
+        write_table(table, {"name": "qwen-7b", **entry})
+    token = tmp_path / "token"
+    token.write_text("report-token")
+    root = Path(__file__).resolve().parents[2]
+    aggregator = subprocess.Popen(
+        [sys.executable, "-m", "scaler", "aggregate", "--host", "127.0.0.1", "--report-port", "0", "--scaler-port",
+         "0", "--drain-grace-seconds", "1"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root), "NOCTAYA_AGGREGATOR_TOKEN_FILE": str(token)},
+        stderr=subprocess.PIPE, text=True)
+    gateways: list = []
+    channel = None
+    try:
+        assert aggregator.stderr is not None
+        ports = None
+        deadline = time.monotonic() + 30
+        while ports is None:
+            assert time.monotonic() < deadline and aggregator.poll() is None, "aggregate scaler did not start"
+            match = re.search(r"reports on [\d.]+:(\d+), gRPC on [\d.]+:(\d+)", aggregator.stderr.readline())
+            ports = match and tuple(map(int, match.groups()))
+        report_port, grpc_port = ports
+        report_env = {"NOCTAYA_SCALER_MODE": "report", "NOCTAYA_AGGREGATOR_TOKEN_FILE": str(token),
+                      "NOCTAYA_AGGREGATOR_URL": f"http://127.0.0.1:{report_port}/v1/report"}
+        started = [_start_gateway_process(table, **report_env) for table in tables]
+        gateways = [proc for proc, _ in started]
+        clients = [openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+                   for _, port in started]
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb_grpc.ExternalScalerStub(channel)
+
+        def ref(model: str) -> pb.ScaledObjectRef:
+            return pb.ScaledObjectRef(name="qwen-backend", namespace="ns", scalerMetadata={"model": model})
+
+        def metric(model: str) -> int:
+            return stub.GetMetrics(pb.GetMetricsRequest(scaledObjectRef=ref(model), metricName="noctaya-demand"),
+                                   timeout=5).metricValues[0].metricValue
+
+        result: list[str] = []
+        held = threading.Thread(target=lambda: result.append(clients[0].chat.completions.create(
+            model="qwen-7b", messages=MESSAGES).choices[0].message.content))
+        held.start()
+        wait_for(lambda: metric("qwen-7b") == 1, "the held request is not KEDA-visible")
+
+        # The hooks rewrote the ScaledObject: KEDA reopens its stream by the new name, which no
+        # replica reports yet.
+        pushes: queue.Queue[bool] = queue.Queue()
+        stream = stub.StreamIsActive(ref("qwen-14b"))
+
+        def follow() -> None:
+            try:
+                for answer in stream:
+                    pushes.put(answer.result)
+            except grpc.RpcError:  # cancelled at the end
+                pass
+
+        threading.Thread(target=follow, daemon=True).start()
+        assert pushes.get(timeout=10) is True, "the renamed member's stream does not see its held request"
+        assert metric("qwen-14b") == 1 and stub.IsActive(ref("qwen-14b"), timeout=5).result is True
+
+        for replica in (1, 0):  # each replica's kubelet brings the new table in its own time
+            write_table(tables[replica], {"name": "qwen-14b", **entry})
+            wait_for(lambda r=replica: [m.id for m in clients[r].models.list()] == ["qwen-14b"],
+                     f"replica {replica} did not apply the rename")
+            assert metric("qwen-14b") == 1 and held.is_alive()
+        wait_for(lambda: metric("qwen-14b") == 1 and stub.IsActive(ref("qwen-14b"), timeout=5).result,
+                 "the member's demand did not follow it to its new name")
+        assert metric("qwen-7b") == 1  # a ScaledObject still asking by the old name sees it too
+        while not pushes.empty():
+            assert pushes.get_nowait() is True, "KEDA was told false while the request was held"
+
+        backend.start()  # KEDA scales the member up on the demand it saw
+        held.join(30)
+        assert len(result) == 1 and result[0].startswith("tok")
+        # The same stream follows the member's demand to zero (after any re-sends of true).
+        wait_for(lambda: pushes.get(timeout=15) is False, "the stream did not follow the demand to zero", 30)
+        assert clients[1].chat.completions.create(model="qwen-14b", messages=MESSAGES).choices
+        stream.cancel()
+    finally:
+        if channel is not None:
+            channel.close()
+        for proc in [*gateways, aggregator]:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+        backend.stop()
+
+
 @pytest.fixture
 def demand_gateway() -> Iterator[tuple[ThreadedGateway, ModelDemand, FakeBackend, GatewayConfig]]:
     backend = FakeBackend()
