@@ -97,3 +97,13 @@ def test_metric_names_are_prometheus_names_of_their_engine() -> None:
 def test_llamacpp_names_no_kv_cache_gauge() -> None:
     """llama-server has exported no KV-cache gauge since ggml-org/llama.cpp#13660 (May 2025)."""
     assert ("llamacpp-cpu.yaml", "kvCacheUsageMetric") not in example_metrics()
+
+
+def test_llamacpp_options_and_values_are_separate_words() -> None:
+    """llama-server's parser (common/arg.cpp) looks each argument up whole, so ``--port=8080`` is
+    "error: invalid argument" and the engine exits at start; the 0.1.0/0.2.0 example had every
+    option in that form. Checked against the real llama-server built from llama.cpp in
+    llama-cpp-python 0.3.36."""
+    doc = yaml.safe_load((RUNTIMES / "llamacpp-cpu.yaml").read_text())
+    joined = [arg for arg in doc["spec"]["args"] if arg.startswith("-") and "=" in arg]
+    assert not joined, f"llama-server refuses --option=value: {joined}"
