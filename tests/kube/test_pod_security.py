@@ -80,7 +80,7 @@ def admitted(kube: ControlPlane, namespace: str, pod: dict[str, Any]) -> tuple[b
 
 # The promise per shipped runtime (docs/install.md, "Pod Security of the model namespaces", lists the
 # same): `restricted` for these backends (any cache but HostPath) ...
-RESTRICTED = {"llamacpp-cpu", "sglang-nvidia", "vllm-nvidia"}
+RESTRICTED = {"llamacpp-cpu", "llamacpp-cpu-staged", "sglang-nvidia", "vllm-nvidia"}
 # ... and `baseline` only for these, because their accelerator's device nodes belong to a host group
 # whose gid differs between nodes, so the engine runs as the image's root user.
 BASELINE_ONLY = {
