@@ -107,7 +107,8 @@ def pod_failures(pod: dict[str, Any], waiting: Mapping[str, str] | None = None) 
         elif "OOMKilled" in (terminated, last_terminated):
             found.append((Reason.OOM_KILLED, f"pod {name} container {container} was OOM-killed: raise resources.memory"))
         elif waiting == "CrashLoopBackOff":
-            found.append((Reason.CRASH_LOOP, f"pod {name} container {container} is crash-looping (see its logs)"))
+            found.append((Reason.CRASH_LOOP, f"pod {name} container {container} is crash-looping"
+                          f"{_last_exit(last)} (kubectl logs {name} -c {container} --previous)"))
         elif waiting == "CreateContainerConfigError":
             missing = secrets_named_missing([cs])
             what = f"Secret {missing[0]} (or a key in it) is missing" if missing else "a referenced Secret or key is missing"
@@ -115,6 +116,16 @@ def pod_failures(pod: dict[str, Any], waiting: Mapping[str, str] | None = None) 
         elif _int(cs.get("restartCount")) >= REPEATED_TERMINATION_RESTARTS and last_terminated:
             found.append((Reason.REPEATED_TERMINATION, f"pod {name} container {container} terminated repeatedly ({last_terminated})"))
     return found
+
+
+def _last_exit(last_state: dict[str, Any]) -> str:
+    """The last termination's exit code and reason, never its message (an engine's last log line,
+    under FallbackToLogsOnError, could carry anything it printed)."""
+    terminated = last_state.get("terminated") or {}
+    if "exitCode" not in terminated:
+        return ""
+    reason = str(terminated.get("reason") or "")
+    return f", last exit code {_int(terminated['exitCode'])}" + (f" ({reason})" if reason.isalnum() else "")
 
 
 # What says a Secret is missing, without ever reading one: the kubelet's CreateContainerConfigError

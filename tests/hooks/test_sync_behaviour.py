@@ -167,6 +167,21 @@ def test_backend_failure_reasons(pods: list[dict], reason: str) -> None:
     assert _cond(answer, "Ready")["reason"] == reason
 
 
+def test_a_crash_loop_names_the_last_exit_code_and_never_the_engines_last_words() -> None:
+    """The exit code says what kind of failure (1: the engine refused its arguments or model, 139: a
+    crash); the termination message (an engine's log tail under FallbackToLogsOnError) may carry
+    anything the engine printed, so it stays out of status."""
+    _, observed = _running()
+    pod = h.pod("p1", waiting="CrashLoopBackOff", last_terminated="Error", restarts=3,
+                terminated_message="error: invalid HF repo format; token=hf_SENTINEL_n3v3r")
+    pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = 1
+    answer = sync.sync(h.sync_request(h.llmservice(), children=observed, pods=[pod]), h.config())
+    message = _cond(answer, "BackendReady")["message"]
+    assert "crash-looping, last exit code 1 (Error)" in message, message
+    assert "kubectl logs p1 -c engine --previous" in message, message
+    assert "SENTINEL" not in json.dumps(answer) and "invalid HF repo" not in json.dumps(answer)
+
+
 @pytest.mark.parametrize("pod", [h.pod("p1", ready=True, last_terminated="OOMKilled", restarts=1),
                                  h.pod("p1", ready=True, last_terminated="Error", restarts=7)])
 def test_a_recovered_container_is_not_a_failure(pod: dict) -> None:
