@@ -39,6 +39,7 @@ class FakeHub:
     requests: list[str] = field(default_factory=list)
     tamper: dict[str, bytes] = field(default_factory=dict)  # path -> bytes served instead of the listed ones
     bytes_per_second: float | None = None  # a slow link, for the demo
+    host: str = "127.0.0.1"  # another loopback address: a hub that is not on the Pod's own localhost
 
     def __post_init__(self) -> None:
         hub = self
@@ -55,13 +56,13 @@ class FakeHub:
             def do_GET(self) -> None:  # noqa: N802
                 hub._handle(self, head=False)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer((self.host, 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_port}"
+        return f"http://{self.host}:{self._server.server_port}"
 
     def __enter__(self) -> FakeHub:
         self._thread.start()

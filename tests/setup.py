@@ -136,6 +136,16 @@ def _release_run() -> object:
     return source_tree()
 
 
+def _llama_server_present() -> bool:
+    from tests.engines.llamacpp import binary_path
+    return binary_path().exists()
+
+
+def _llama_server_run() -> object:
+    from tests.engines.llamacpp import llama_server
+    return llama_server()
+
+
 def _registry_present() -> bool:
     return shutil.which("docker-registry") is not None
 
@@ -162,6 +172,8 @@ STEPS: tuple[Step, ...] = (
          _module_binary_present("PROMETHEUS_MODULE", "promtool"), _promtool_run),
     Step("docker-registry", "Debian's docker-registry (apt-get; the OCI staging tests' registry)", TEST,
          ("tests/prewarm/test_oci.py",), _registry_present, _registry_run),
+    Step("llama-server", "llama.cpp's llama-server, CPU only, from llama-cpp-python's sdist on PyPI (tests/engines/llamacpp.py)",
+         BOTH, ("tests/engines/", "tests/e2e/", "tests/test_demo.py"), _llama_server_present, _llama_server_run),
     Step("kwok", "kwok from KWOK_MODULE", E2E, ("tests/e2e/",), _module_binary_present("KWOK_MODULE", "kwok"), _kwok_run),
     Step("keda-operator", "KEDA's operator from KEDA_MODULE", E2E, ("tests/e2e/",),
          _module_binary_present("KEDA_MODULE", "keda-operator"), _keda_run),

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import httpcore2
@@ -367,29 +367,50 @@ class LocalPods:
 
 
 class ServiceIP:
-    """A Service's ClusterIP as kube-proxy serves it: a stable private address listening on every port
-    of the Service; each new connection goes to one of the Service's ready endpoints at that moment
+    """A Service's ClusterIP as kube-proxy serves it: a stable private address on every port of the
+    Service; each new connection goes to one of the Service's ready endpoints at that moment
     (``endpoints``, round robin) on that port's targetPort, and stays there until either side closes
     it — so a kept-alive connection to a terminating Pod lasts, and a client reconnecting to the same
-    address reaches whichever Pod is ready now. No ready endpoint, or one no longer listening: the
-    connection is closed at once (kube-proxy rejects it). ``connections`` counts them per endpoint;
-    ``endpoint_of`` tells a client which Pod its connection reached."""
+    address reaches whichever Pod is ready now. With no ready endpoint the address refuses connections
+    (kube-proxy's REJECT rule: ECONNREFUSED; nothing listens then); an endpoint no longer listening: the
+    connection is closed at once. ``connections`` counts them per endpoint; ``endpoint_of`` tells a
+    client which Pod its connection reached."""
 
     def __init__(self, cluster: Cluster, name: str, ports: dict[int, int]) -> None:
         self.name = name
         self.address = cluster.new_address()
-        self.endpoints: list[str] = []
+        self.ports = dict(ports)
+        self._endpoints: list[str] = []
         self.connections: dict[str, int] = {}
         self._routes: dict[tuple[str, int], str] = {}  # client (address, port) -> endpoint
         self._turn = itertools.count()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._listeners: list[socket.socket] = []
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self._endpoints
+
+    @endpoints.setter
+    def endpoints(self, addresses: list[str]) -> None:
+        """Listening exactly while there is a ready endpoint (refused otherwise, as kube-proxy's rules)."""
+        with self._lock:
+            self._endpoints = list(addresses)
+            if self._endpoints and not self._listeners and not self._stop.is_set():
+                for port, target in self.ports.items():
+                    listener = socket.create_server((self.address, port))
+                    listener.settimeout(0.2)
+                    self._listeners.append(listener)
+                    threading.Thread(target=self._accept, args=(listener, target),
+                                     name=f"service-ip-{self.name}:{port}", daemon=True).start()
+            elif not self._endpoints:
+                self._close_listeners()
+
+    def _close_listeners(self) -> None:
+        for listener in self._listeners:
+            listener.close()
         self._listeners = []
-        for port, target in ports.items():
-            listener = socket.create_server((self.address, port))
-            listener.settimeout(0.2)
-            self._listeners.append(listener)
-            threading.Thread(target=self._accept, args=(listener, target), name=f"service-ip-{name}:{port}",
-                             daemon=True).start()
 
     def _accept(self, listener: socket.socket, target: int) -> None:
         while not self._stop.is_set():
@@ -423,8 +444,8 @@ class ServiceIP:
 
     def close(self) -> None:
         self._stop.set()
-        for listener in self._listeners:
-            listener.close()
+        with self._lock:
+            self._close_listeners()
 
 
 def _pipe(src: socket.socket, dst: socket.socket, ends: list[int], lock: threading.Lock) -> None:
@@ -504,6 +525,10 @@ class ModelServer:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        return self.backend.running
+
     def ready_pods(self) -> list[str]:
         pods = self.cluster.api(f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={self.selector}")["items"]
         ready = []
@@ -551,6 +576,33 @@ class ModelServer:
             self._thread.join(10)
         if self.backend.running:
             self.backend.stop()
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def stop_together(things: Iterable[Stoppable], timeout: float = 90.0) -> None:
+    """Each one's ``stop()`` at the same time, as the kubelet stops the Pods of a deleted namespace: a
+    gateway takes its drain delay (5 s) to end, so a test's models stopped one after another took that
+    many times as long. The first error is raised once all have stopped."""
+    errors: list[BaseException] = []
+
+    def stop(thing: Stoppable) -> None:
+        try:
+            thing.stop()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the others stopped
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stop, args=(t,), name="stop-together", daemon=True) for t in things]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"still stopping after {timeout}s"
 
 
 def _rewrite(value: str, mounts: dict[str, Path]) -> str:

@@ -31,7 +31,8 @@ from hooks.resources.gateway import READY_GRACE_SECONDS
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, Timeline
-from tests.e2e.pods import ClusterNames, LocalPods, ModelServer
+from tests.e2e.engine_pods import EngineKubelet
+from tests.e2e.pods import ClusterNames, LocalPods, ModelServer, stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.kube.apiserver import REPO_ROOT
 
@@ -77,11 +78,14 @@ def llmservice(name: str, namespace: str, endpoint: dict[str, Any] | None = None
 class Model:
     """One LLMService under test: its objects, its local gateway Pods and its model server."""
 
-    def __init__(self, cluster: Cluster, timeline: Timeline, name: str, namespace: str) -> None:
+    def __init__(self, cluster: Cluster, timeline: Timeline, name: str, namespace: str,
+                 server: ModelServer | EngineKubelet | None = None) -> None:
+        """``server``: what plays the backend Pods (default: the stand-in ModelServer; the real engine
+        with tests/e2e/engine_pods.py)."""
         self.cluster, self.timeline, self.name, self.namespace = cluster, timeline, name, namespace
         self.gateways: LocalPods | None = None
         self.aggregator: LocalPods | None = None
-        self.server = ModelServer(cluster, namespace, name, MODEL_PORT, timeline)
+        self.server = server if server is not None else ModelServer(cluster, namespace, name, MODEL_PORT, timeline)
         self.last_answer: float | None = None
 
     def get(self, kind: str, suffix: str = "") -> dict[str, Any] | None:
@@ -96,7 +100,7 @@ class Model:
         scaled = conditions(self.get("scaledobject", "-backend"))
         return (f"Ready={conds.get('Ready', '?')} Backend={conds.get('BackendReady', '?')} "
                 f"ScaledObject.Ready={scaled.get('Ready', '?')} Active={scaled.get('Active', '?')} "
-                f"backend.replicas={self.replicas()} model server={'up' if self.server.backend.running else 'down'} "
+                f"backend.replicas={self.replicas()} model server={'up' if self.server.running else 'down'} "
                 f"pods={self.server.pod_states()}")
 
     def wait(self, what: str, check: Callable[[], bool], timeout: float = 60.0) -> float:
@@ -134,10 +138,7 @@ class Model:
                              max_retries=0, timeout=timeout)
 
     def stop(self) -> None:
-        self.server.stop()
-        for pods in (self.gateways, self.aggregator):
-            if pods is not None:
-                pods.stop()
+        stop_together([self.server, *(pods for pods in (self.gateways, self.aggregator) if pods is not None)])
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +147,7 @@ def models(cluster: Cluster, keda: None) -> Iterator[dict[str, Model]]:
     where another stopped: scale-in needs the gateway the cold request went through)."""
     made: dict[str, Model] = {}
     yield made
-    for model in made.values():
-        model.stop()
+    stop_together(made.values())
 
 
 @pytest.fixture
