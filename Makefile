@@ -34,8 +34,11 @@ e2e: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# ENGINE=llamacpp: llama.cpp's real llama-server (built once if need be, ~6 min) with a tiny random GGUF
+# delivered through the prewarm path; ENGINE=standin: demo/backend.py; default: the real one once built.
+ENGINE ?= auto
 demo: $(STAMP)
-	$(PY) -m demo
+	$(PY) -m demo --engine $(ENGINE)
 
 # Model delivery: a prewarm Job (the rendered one's command) fills a cache from a stand-in hub, then
 # the backend starts from it (see docs/model-delivery.md).

@@ -25,17 +25,22 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import requests
 import yaml
 
+if TYPE_CHECKING:
+    from demo.engines import Engine
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_RUNTIME = ROOT / "examples" / "runtimes" / "llamacpp-cpu.yaml"
 EXAMPLE_MODEL = ROOT / "examples" / "models" / "scale-to-zero.yaml"
 T0 = time.monotonic()
+ANSWER_TOKENS = 24  # a random tiny model talks nonsense until its context is full: ask for a few words
 
 
 def say(who: str, what: str) -> None:
@@ -186,8 +191,8 @@ class KedaKubeletStandIn:
     "Scaling to 1" here means starting the demo backend process; "to 0" means stopping it.
     """
 
-    def __init__(self, procs: Processes, scaler_addr: str, backend_port: int, model: str, cooldown: float,
-                 poll: float, load_seconds: float) -> None:
+    def __init__(self, procs: Processes, scaler_addr: str, backend_url: str, engine: Engine, cooldown: float,
+                 poll: float) -> None:
         from scaler import externalscaler_pb2 as pb
         from scaler import externalscaler_pb2_grpc as pb_grpc
 
@@ -196,12 +201,11 @@ class KedaKubeletStandIn:
         self.stub = pb_grpc.ExternalScalerStub(self.channel)
         self.ref = pb.ScaledObjectRef(name="demo", namespace="default", scalerMetadata={"scalerAddress": scaler_addr})
         self.procs = procs
-        self.backend_port = backend_port
-        self.model = model
+        self.backend_url = backend_url
+        self.engine = engine
         self.cooldown = cooldown
         self.poll = poll
-        self.load_seconds = load_seconds
-        self.backend: subprocess.Popen | None = None
+        self.backend: Callable[[], None] | None = None  # stops the running engine
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.scaled_to_zero = threading.Event()
@@ -217,24 +221,29 @@ class KedaKubeletStandIn:
         with self.lock:
             if self.backend is not None:
                 return
-            say("stand-in", "scaling backend 0 → 1 (starting demo/backend.py; it loads for "
-                f"{self.load_seconds:.0f}s before /health passes)")
+            say("stand-in", f"scaling backend 0 → 1 (starting {self.engine.describe()})")
             self.pod_times = {"created": wall_clock()}
-            self.backend = self.procs.start(
-                ["-m", "demo.backend", "--port", str(self.backend_port), "--model", self.model,
-                 "--load-seconds", str(self.load_seconds)]
-            )
+            self.backend = self.engine.start()
             self.pod_times["started"] = wall_clock()
             self.scaled_to_zero.clear()
         threading.Thread(target=self._report_ready, daemon=True).start()
 
     def _report_ready(self) -> None:
-        try:
-            wait_http(f"http://127.0.0.1:{self.backend_port}/health", timeout=60)
-            self.pod_times["ready"] = wall_clock()
-            say("backend", "Ready (/health 200)")
-        except TimeoutError:
-            say("backend", "did not become ready")
+        """The readiness probe, saying each change of /health's answer (the engine's load phase)."""
+        started, last = time.monotonic(), None
+        while time.monotonic() - started < 60:
+            try:
+                code: int | str = requests.get(f"{self.backend_url}/health", timeout=2).status_code
+            except requests.RequestException:
+                code = "refused"
+            if code != last:
+                say("backend", f"/health → {code}" + (" (Ready)" if code == 200 else ""))
+                last = code
+            if code == 200:
+                self.pod_times["ready"] = wall_clock()
+                return
+            time.sleep(0.05)
+        say("backend", "did not become ready")
 
     def _watch_stream(self) -> None:
         while not self.stopped.is_set():
@@ -266,7 +275,7 @@ class KedaKubeletStandIn:
             with self.lock:
                 if self.backend is not None and now - inactive_since >= self.cooldown:
                     say("stand-in", f"IsActive false for {self.cooldown:.0f}s (cooldown): scaling backend 1 → 0")
-                    Processes.stop(self.backend)
+                    self.backend()
                     self.backend = None
                     self.activated_at = None
                     self.scaled_to_zero.set()
@@ -280,13 +289,13 @@ def wall_clock() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def backend_pod(name: str, times: dict[str, str]) -> dict:
+def backend_pod(name: str, times: dict[str, str], namespace: str = "default") -> dict:
     """The backend Pod as the stand-in kubelet would report it: bound at once (one node, nothing to
     pull), the engine started, Ready when /health passed."""
     created, started, ready = times["created"], times["started"], times["ready"]
     return {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": f"{name}-backend-demo", "namespace": "default", "creationTimestamp": created,
+        "metadata": {"name": f"{name}-backend-demo", "namespace": namespace, "creationTimestamp": created,
                      "labels": {"serving.noctaya.io/llmservice": name, "serving.noctaya.io/component": "backend"}},
         "status": {"phase": "Running", "conditions": [
             {"type": "PodScheduled", "status": "True", "lastTransitionTime": created},
@@ -299,15 +308,20 @@ def backend_pod(name: str, times: dict[str, str]) -> dict:
 
 def cold_start_in_status(hooks_url: str, service: dict, runtime: dict, answer: dict, times: dict[str, str]) -> dict:
     """Ask the hook server for the status of the world after the cold start: first with the backend
-    asked for and no Pod yet (the phase the status was in), then with the Ready Pod."""
+    asked for and no Pod yet (the phase the status was in), then with the Ready Pod. ``answer`` holds
+    the backend Deployment (with a prewarmed model: the answer once its Job completed)."""
+    namespace = service["metadata"].get("namespace", "default")
     backend = next(c for c in answer["children"] if c["kind"] == "Deployment"
                    and c["metadata"]["labels"].get("serving.noctaya.io/component") == "backend")
     observed = {**backend, "spec": {**backend["spec"], "replicas": 1}, "status": {"replicas": 1}}
+    jobs = {f"{namespace}/{c['metadata']['name']}": {**c, "status": {
+        "succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}} for c in answer["children"] if c["kind"] == "Job"}
     status = answer["status"]
-    for pods in ([], [backend_pod(service["metadata"]["name"], times)]):
+    for pods in ([], [backend_pod(service["metadata"]["name"], times, namespace)]):
         request = sync_request({**service, "status": status}, runtime)
-        request["children"]["Deployment.apps/v1"] = {f"default/{backend['metadata']['name']}": observed}
-        request["related"]["Pod.v1"] = {f"default/{p['metadata']['name']}": p for p in pods}
+        request["children"]["Deployment.apps/v1"] = {f"{namespace}/{backend['metadata']['name']}": observed}
+        request["children"]["Job.batch/v1"] = jobs
+        request["related"]["Pod.v1"] = {f"{namespace}/{p['metadata']['name']}": p for p in pods}
         resp = requests.post(f"{hooks_url}/v1/llmservice/sync", json=request, timeout=10)
         resp.raise_for_status()
         status = resp.json()["status"]
@@ -376,24 +390,36 @@ def print_breakdown(hooks_url: str, answer: dict, service: dict, runtime: dict, 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Local scale-from-zero demo (no cluster needed).")
     parser.add_argument("--cooldown", type=float, default=6.0, help="idle seconds before scale to zero")
-    parser.add_argument("--load-seconds", type=float, default=3.0, help="simulated model load time")
+    parser.add_argument("--load-seconds", type=float, default=3.0, help="the stand-in engine's simulated load time")
+    parser.add_argument("--engine", choices=("auto", "standin", "llamacpp"), default="auto",
+                        help="the engine to wake: llama.cpp's llama-server with a tiny real model (built by the "
+                        "test set-up; 'llamacpp' builds it if need be), the stand-in demo/backend.py, or 'auto': "
+                        "the real one when it is built")
     args = parser.parse_args()
+
+    from demo.engines import StandInEngine, choose
 
     service = first_doc(EXAMPLE_MODEL, "LLMService")
     runtime = first_doc(EXAMPLE_RUNTIME, "InferenceRuntime")
     service["spec"]["runtime"] = {"name": runtime["metadata"]["name"]}
     procs = Processes()
     standin: KedaKubeletStandIn | None = None
+    workdir = Path(tempfile.mkdtemp(prefix="noctaya-demo-engine-"))
     try:
+        gw_port, scaler_port, backend_port, admin_port = free_ports(4)
+        engine = choose(args.engine, procs, backend_port, str(service["spec"]["model"].get("servedName")
+                        or service["metadata"]["name"]), workdir, say, args.load_seconds)
+        if not isinstance(engine, StandInEngine):
+            service, runtime = engine.service, engine.runtime
+        say("demo", f"engine: {engine.name}")
         answer, hooks_url = render_through_hooks(procs, service, runtime)
         env = gateway_env(answer)
-        gw_port, scaler_port, backend_port, admin_port = free_ports(4)
         model = env["NOCTAYA_SERVED_MODEL_NAME"]
         env.update(
             NOCTAYA_LISTEN_PORT=str(gw_port),
             NOCTAYA_ADMIN_PORT=str(admin_port),
             NOCTAYA_SCALER_PORT=str(scaler_port),
-            NOCTAYA_BACKEND_URL=f"http://127.0.0.1:{backend_port}",
+            NOCTAYA_BACKEND_URL=engine.backend_url,
             # Demo-sized timings: a short grace so the lease ends soon after the answer.
             NOCTAYA_READY_GRACE_SECONDS="1",
             NOCTAYA_HEARTBEAT_SECONDS="1",
@@ -402,8 +428,8 @@ def main() -> int:
             f"maxQueue {env['NOCTAYA_MAX_QUEUE']}, mode {env['NOCTAYA_COLD_MODE']})")
         gateway = procs.start(["-m", "gateway"], env=env)
         procs.wait_ready(gateway, f"http://127.0.0.1:{gw_port}/healthz", timeout=30)
-        standin = KedaKubeletStandIn(procs, f"127.0.0.1:{scaler_port}", backend_port, model,
-                                     cooldown=args.cooldown, poll=1.0, load_seconds=args.load_seconds)
+        standin = KedaKubeletStandIn(procs, f"127.0.0.1:{scaler_port}", engine.backend_url, engine,
+                                     cooldown=args.cooldown, poll=1.0)
         standin.start()
         time.sleep(0.5)
 
@@ -418,22 +444,24 @@ def main() -> int:
         first: float | None = None
         text = []
         for chunk in client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "wake up and say hello"}], stream=True
+            model=model, messages=[{"role": "user", "content": "wake up and say hello"}], stream=True,
+            max_tokens=ANSWER_TOKENS,
         ):
             if first is None:
                 first = time.monotonic()
                 say("client", f"first token after {first - sent:.2f}s")
             if chunk.choices and chunk.choices[0].delta.content:
                 text.append(chunk.choices[0].delta.content)
-        say("client", f"answer: {''.join(text)!r}")
+        say("client", f"answer: {''.join(text)[:120]!r} (from {engine.name})")
         cold_start = dict(standin.pod_times)
         queue = requests.get(f"http://127.0.0.1:{admin_port}/noctaya/queue", timeout=2).json()
         say("gateway", f"/noctaya/queue → {json.dumps(queue)}")
         say("client", "warm request (non-streamed)")
         warm_start = time.monotonic()
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "again"}])
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "again"}],
+                                               max_tokens=ANSWER_TOKENS)
         say("client", f"warm answer in {1000 * (time.monotonic() - warm_start):.0f} ms: "
-            f"{reply.choices[0].message.content!r}")
+            f"{(reply.choices[0].message.content or '')[:120]!r}")
         say("demo", f"idle now; waiting for the lease to end and {args.cooldown:.0f}s of cooldown")
         if not standin.scaled_to_zero.wait(60 + args.cooldown):
             say("demo", "backend did not scale to zero in time")
@@ -442,13 +470,17 @@ def main() -> int:
         say("gateway", f"/noctaya/queue → lease {queue['lease']['state']}, demand {json.dumps(queue['demand'])}")
         models = [m.id for m in client.models.list().data]
         say("client", f"GET /v1/models at zero → {models} (the gateway still answers; nothing woke)")
-        say("demo", "scaled back to zero: the accelerator is free")
-        print_breakdown(hooks_url, answer, service, runtime, cold_start, f"http://127.0.0.1:{admin_port}")
+        say("demo", f"scaled back to zero: the accelerator is free (engine: {engine.name})")
+        print_breakdown(hooks_url, getattr(engine, "rendered", answer), service, runtime, cold_start,
+                        f"http://127.0.0.1:{admin_port}")
         return 0
     finally:
         if standin is not None:
             standin.close()
+            if standin.backend is not None:
+                standin.backend()
         procs.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_demo_scales_from_zero_and_back() -> None:
     # Its own process group: if it hangs, the demo and everything it started (hook server, gateway,
     # backend) are killed together instead of outliving the test.
-    proc = subprocess.Popen([sys.executable, "-m", "demo", "--cooldown", "2", "--load-seconds", "1"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "demo", "--engine", "standin", "--cooldown", "2", "--load-seconds", "1"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=200)
@@ -52,6 +52,46 @@ def test_demo_scales_from_zero_and_back() -> None:
     assert re.search(r"push → ready [12]\.\d+s", gateway_line), gateway_line
     record = re.search(r"modelLoad (\d+)s, total (\d+)s", out)
     assert record and int(record[1]) in (1, 2) and int(record[2]) >= int(record[1]), out
+
+
+@pytest.mark.timeout(240)
+def test_demo_with_the_real_engine_says_so_and_shows_its_load_phase() -> None:
+    """`make demo ENGINE=llamacpp`: llama-server (built by the set-up step) from the rendered Pod, its
+    tiny model through the prewarm path; the timeline names the engine and its /health changes."""
+    from tests.engines import llamacpp
+
+    if not llamacpp.binary_path().exists():
+        pytest.skip("llama-server is not built here (tests/setup.py's llama-server step skipped)")
+    proc = subprocess.Popen([sys.executable, "-m", "demo", "--engine", "llamacpp", "--cooldown", "2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=200)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.returncode is None:
+            out, err = proc.communicate()
+    assert proc.returncode == 0, out + err
+    stages = [
+        "promoted <tmp>/cache/",  # the prewarm Job's own line
+        "wait-for-weights: ",
+        "engine: llama.cpp's llama-server",
+        "GET /v1/models while cold",
+        "scaling backend 0 → 1 (starting the rendered engine container: llama-server --model <cache>/",
+        "/health → 200 (Ready)",
+        "first token after",
+        "(from llama.cpp's llama-server",
+        "preStop: noctaya drain: nothing in flight",
+        "llama-server exited 0",
+        "scaled back to zero",
+    ]
+    positions = [out.find(s) for s in stages]
+    assert all(p >= 0 for p in positions), dict(zip(stages, positions, strict=True))
+    assert positions == sorted(positions), out
+    answer = re.search(r"answer: '([^']*)' \(from llama", out)
+    assert answer and answer[1].strip() and answer[1].isprintable(), out  # the tiny model's own (random) words
 
 
 @pytest.mark.timeout(240)
