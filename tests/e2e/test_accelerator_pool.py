@@ -34,6 +34,7 @@ import yaml
 
 from hooks.resources.gateway import READY_GRACE_SECONDS
 from tests.e2e.cluster import Cluster, Timeline
+from tests.e2e.pods import stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import ANSWER, GATEWAY_PORT, RUNTIME, Model, keda, llmservice  # noqa: F401
 
@@ -445,8 +446,7 @@ class World:
         for name in self.pools:
             self.cluster.kubectl("delete", "acceleratorpool", name, "--ignore-not-found", "--wait=false", check=False)
         self.cluster.kubectl("-n", self.ns, "delete", "llmservices", "--all", "--wait=false", check=False)
-        for model in self.models.values():
-            model.stop()
+        stop_together(self.models.values())
         self.cluster.kubectl("delete", "namespace", self.ns, "--wait=false", check=False)
         for name in self.nodes:
             self.cluster.kubectl("delete", "node", name, "--ignore-not-found", "--wait=false", check=False)

@@ -21,7 +21,7 @@ import yaml
 
 from hooks.resources import names
 from tests.e2e.cluster import Cluster, Timeline
-from tests.e2e.pods import LocalPods, ModelServer
+from tests.e2e.pods import LocalPods, ModelServer, stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import ANSWER, GATEWAY_PORT, MODEL_PORT, keda, llmservice  # noqa: F401
 from tests.kube.apiserver import REPO_ROOT
@@ -89,9 +89,7 @@ class SharedWorld:
         return [m.id for m in self.client(timeout=10).models.list()]
 
     def stop(self) -> None:
-        for server in self.servers.values():
-            server.stop()
-        self.gateway.stop()
+        stop_together([*self.servers.values(), self.gateway])
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from hooks.config import DEFAULT_IMAGE
 from hooks.controller.rollout import APPROVE_ANNOTATION
 from hooks.resources import names
 from tests.e2e.cluster import Cluster, Timeline, bare_cluster, metacontroller_binary
-from tests.e2e.pods import LocalPods, ModelServer
+from tests.e2e.pods import LocalPods, ModelServer, stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import ANSWER, GATEWAY_PORT, MODEL_PORT, llmservice
 from tests.kube.apiserver import REPO_ROOT, ControlPlane, KubeUnavailable, ensure_binaries
@@ -253,10 +253,7 @@ class World:
         return answered_by_this_release(self.get("llmservice", model))
 
     def stop(self) -> None:
-        for server in self.servers.values():
-            server.stop()
-        for pods in self.gateways.values():
-            pods.stop()
+        stop_together([*self.servers.values(), *self.gateways.values()])
 
 
 def runtime_deleted(world: World, cluster: Cluster) -> None:
