@@ -12,12 +12,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(240)
-def test_demo_scales_from_zero_and_back() -> None:
-    # Its own process group: if it hangs, the demo and everything it started (hook server, gateway,
-    # backend) are killed together instead of outliving the test.
-    proc = subprocess.Popen([sys.executable, "-m", "demo", "--engine", "standin", "--cooldown", "2", "--load-seconds", "1"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def run_demo(*args: str) -> tuple[str, str]:
+    """``python <args>``'s stdout and stderr; it must exit 0. In its own process group: if it hangs, the demo
+    and everything it started (hook server, gateway, backend) are killed together instead of
+    outliving the test."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=200)
     finally:
@@ -28,6 +28,12 @@ def test_demo_scales_from_zero_and_back() -> None:
         if proc.returncode is None:
             out, err = proc.communicate()
     assert proc.returncode == 0, out + err
+    return out, err
+
+
+@pytest.mark.timeout(240)
+def test_demo_scales_from_zero_and_back() -> None:
+    out, _ = run_demo("-m", "demo", "--engine", "standin", "--cooldown", "2", "--load-seconds", "1")
     # The timeline shows each stage, in order.
     stages = [
         "POST /v1/llmservice/sync",
@@ -62,18 +68,7 @@ def test_demo_with_the_real_engine_says_so_and_shows_its_load_phase() -> None:
 
     if not llamacpp.binary_path().exists():
         pytest.skip("llama-server is not built here (tests/setup.py's llama-server step skipped)")
-    proc = subprocess.Popen([sys.executable, "-m", "demo", "--engine", "llamacpp", "--cooldown", "2"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=200)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.returncode is None:
-            out, err = proc.communicate()
-    assert proc.returncode == 0, out + err
+    out, _ = run_demo("-m", "demo", "--engine", "llamacpp", "--cooldown", "2")
     stages = [
         "promoted <tmp>/cache/",  # the prewarm Job's own line
         "wait-for-weights: ",
@@ -96,18 +91,7 @@ def test_demo_with_the_real_engine_says_so_and_shows_its_load_phase() -> None:
 
 @pytest.mark.timeout(240)
 def test_prewarm_demo_fills_the_cache_then_starts_the_backend_from_it() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "demo.prewarm", "--size-mib", "6", "--mib-per-second", "4"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=200)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.returncode is None:
-            out, err = proc.communicate()
-    assert proc.returncode == 0, out + err
+    out, err = run_demo("-m", "demo.prewarm", "--size-mib", "6", "--mib-per-second", "4")
     stages = [
         "child Job/qwen-32b-prewarm-",
         "condition Ready=False (PrewarmRunning)",

@@ -92,12 +92,7 @@ def deliver(workdir: Path, runtime: dict[str, Any], address: str, llama_server: 
                               cwd=ROOT)
         done = run_to_completion(job_spec["containers"][0], job_sandbox, timeout=120)
         assert done.returncode == 0, f"the prewarm Job failed: {done.stdout[-1500:]}{done.stderr[-1500:]}"
-    observed = []
-    for i, child in enumerate(first["children"]):
-        seen = h.as_observed(child, i)
-        if child["kind"] == "Job":
-            seen["status"] = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
-        observed.append(seen)
+    observed = h.observed_with_jobs_complete(first)
     second = sync.sync(h.sync_request({**svc, "status": first["status"]}, runtimes=[runtime], children=observed),
                        h.config(h.LATER_TIME))
     backend = _component(second, "Deployment", "backend")

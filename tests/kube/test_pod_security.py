@@ -153,12 +153,7 @@ def prewarmed_pods(runtime: dict[str, Any], cache: str) -> dict[str, dict[str, A
                        resources={"accelerators": 0 if vendor == "none" else 1},
                        cache={**CACHES[cache], "prewarm": True})
     first = sync.sync(h.sync_request(svc, runtimes=[runtime]), h.config())
-    observed = []
-    for i, child in enumerate(first["children"]):
-        seen = h.as_observed(child, i)
-        if child["kind"] == "Job":
-            seen["status"] = {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}
-        observed.append(seen)
+    observed = h.observed_with_jobs_complete(first)
     second = sync.sync(h.sync_request({**svc, "status": first["status"]}, runtimes=[runtime], children=observed), h.config())
     out = {}
     for obj in second["children"]:
