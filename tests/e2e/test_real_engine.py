@@ -71,9 +71,23 @@ def runtime(cluster: Cluster, keda: None) -> None:  # noqa: F811
 
 @pytest.fixture(scope="module")
 def engines(cluster: Cluster, runtime: None, llama_server: str) -> Iterator[dict[str, Model]]:
+    """The module's models; at its end their LLMServices are deleted while their kubelets still play
+    the Pods (kwok plays nothing here: a Pod nobody confirms stays Terminating, and later modules wait
+    for every backend in the cluster to be gone), then everything stops."""
     made: dict[str, Model] = {}
     yield made
-    stop_together(made.values())
+    try:
+        cluster.kubectl("-n", ENGINE_NAMESPACE, "delete", "llmservices", "--all", "--wait=false", check=False)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (
+                cluster.api(f"/api/v1/namespaces/{ENGINE_NAMESPACE}/pods")["items"]
+                or cluster.api(f"/apis/serving.noctaya.io/v1alpha1/namespaces/{ENGINE_NAMESPACE}/llmservices")["items"]):
+            time.sleep(0.5)
+        left = [p["metadata"]["name"] for p in cluster.api(f"/api/v1/namespaces/{ENGINE_NAMESPACE}/pods")["items"]]
+        assert not left, f"Pods of {ENGINE_NAMESPACE} still there 90 s after their LLMServices were deleted: {left}"
+    finally:
+        stop_together(made.values())
+        cluster.kubectl("delete", "namespace", ENGINE_NAMESPACE, "--wait=false", check=False)
 
 
 def manifest(name: str, hub_url: str, repo: str = staged.REPO_ID, **scaling: str) -> str:
