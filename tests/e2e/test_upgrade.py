@@ -303,7 +303,17 @@ def test_an_upgrade_reloads_no_warm_model_and_loses_no_request(installer: str, t
             assert world.ask("idle") == ANSWER  # warm again when the upgrade starts (its cooldown is 10 s)
             pods_before = {m: world.backend_pods(m) for m in ("steady", "pinned", "idle")}
             examples_before = example_children(cluster)
-            ready_before = {p: conditions(cluster.get(*p, EXAMPLES_NS)).get("Ready") for p in examples}
+            # "Progressing" is not yet an answer: a backend Pod the fake node cannot fit reads Progressing
+            # until the scheduler has said so, then Unschedulable. A snapshot taken in between compared
+            # the new hooks' settled answer with the old hooks' unsettled one (a 2026-12-07 run failed so,
+            # office-assistant Progressing -> Unschedulable, under both installers).
+            def ready_now() -> dict[tuple[str, str], str | None]:
+                return {p: conditions(cluster.get(*p, EXAMPLES_NS)).get("Ready") for p in examples}
+
+            settle = time.monotonic() + 60
+            while any((r or "").startswith("False/Progressing") for r in ready_now().values()) and time.monotonic() < settle:
+                time.sleep(1.0)
+            ready_before = ready_now()
             templates_before = {m: world.template(names.gateway(m)) for m in ("steady", "pinned", "idle")}
             assert all(pods_before.values()), pods_before
 
