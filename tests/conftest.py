@@ -1,11 +1,20 @@
 """Before any test runs (and so outside every per-test timeout), build what the collected tests need
 from tests/setup.py's steps: `make test` / `make e2e` have already done it, so this only does work when
 pytest is started directly (e.g. `pytest tests/kube` on a fresh machine). Silent when all is cached; a
-dependency that cannot be had is reported and its tests skip with the reason, as before."""
+dependency that cannot be had is reported and its tests skip with the reason, as before.
+
+`make test` runs the suite in parallel (pytest-xdist, `--dist loadgroup`): most tests wait on sockets
+and subprocesses, not the CPU. Tests that share one expensive session fixture stay together on one
+worker (SHARED_SESSIONS), so a worker never starts a second kube-apiserver of its own.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -35,8 +44,40 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.write_line(f"[setup] {line}")
 
-    if capture is not None:
-        with capture.global_and_fixture_disabled():
+    with one_setup_at_a_time():
+        if capture is not None:
+            with capture.global_and_fixture_disabled():
+                prepare(steps, say, quiet_when_cached=True, fail_fast=False)
+        else:
             prepare(steps, say, quiet_when_cached=True, fail_fast=False)
-    else:
-        prepare(steps, say, quiet_when_cached=True, fail_fast=False)
+
+
+@contextmanager
+def one_setup_at_a_time() -> Iterator[None]:
+    """Under xdist every worker collects, so every worker gets here: the first builds what is missing,
+    the others wait for it and then find everything cached (two builds into one cache would race)."""
+    lock = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "noctaya-setup.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# Test folders whose tests share a costly session fixture: each runs on one xdist worker.
+SHARED_SESSIONS = {
+    "tests/kube/": "kube-apiserver",  # tests/kube/conftest.py: one etcd + kube-apiserver for the folder
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            rel = item.path.resolve().relative_to(REPO_ROOT).as_posix()
+        except ValueError:
+            continue
+        for prefix, group in SHARED_SESSIONS.items():
+            if rel.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))

@@ -93,10 +93,16 @@ def metacontroller_binary() -> Path:
             raise error(f"Metacontroller {version}: {exc}") from None
 
 
+# The suite's private loopback range. `make e2e` runs the upgrade tests (clusters of their own) beside
+# the rest in a second pytest on another range, so each run's end-of-session check ("no port left
+# listening on my range") sees only its own listeners (tests/e2e/run.py).
+LOOPBACK_RANGE = os.environ.get("NOCTAYA_E2E_LOOPBACK", "127.77")
+
+
 def private_loopback_address(taken: set[str], port: int = HOOK_PORT) -> str:
     """A loopback address nobody else uses (not in ``taken``, ``port`` free on it)."""
     for _ in range(50):
-        address = f"127.77.{random.randint(1, 254)}.{random.randint(1, 254)}"
+        address = f"{LOOPBACK_RANGE}.{random.randint(1, 254)}.{random.randint(1, 254)}"
         if address in taken:
             continue
         with socket.socket() as probe:
@@ -661,13 +667,14 @@ def _self_signed(directory: Path, host: str) -> None:
 
 
 def private_listeners() -> list[str]:
-    """Listening TCP sockets on the suite's private loopback range (127.77.0.0/16), as ip:port."""
+    """Listening TCP sockets on the suite's private loopback range (127.77.0.0/16 unless
+    NOCTAYA_E2E_LOOPBACK says otherwise), as ip:port."""
     found = []
     with open("/proc/net/tcp") as fh:
         for line in fh.readlines()[1:]:
             local, state = line.split()[1], line.split()[3]
             ip_hex, port_hex = local.split(":")
             ip = ".".join(str(b) for b in reversed(bytes.fromhex(ip_hex)))
-            if state == "0A" and ip.startswith("127.77."):
+            if state == "0A" and ip.startswith(f"{LOOPBACK_RANGE}."):
                 found.append(f"{ip}:{int(port_hex, 16)}")
     return found
