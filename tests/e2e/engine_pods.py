@@ -305,13 +305,15 @@ class EngineKubelet:
             if played.deleting and ready:
                 return
             played.ready = ready
+            # Noted before the endpoints change: a request served through them (16 tokens take well under
+            # the status patch on a busy API server) must find this transition already recorded.
+            self.note(f"{played.name}: {'Ready' if ready else 'not Ready'} (GET {container.get('name')} readiness)")
             self.service_ip.endpoints = [p.address for p in self.ready_engines()]
         if ready:
             self._patch_status(played.name, {
                 "conditions": self._conditions(True, True),
                 "containerStatuses": [self._container_status(container, {"running": {"startedAt": now()}}, True,
                                                              played.restarts)]})
-        self.note(f"{played.name}: {'Ready' if ready else 'not Ready'} (GET {container.get('name')} readiness)")
 
     def _begin_deletion(self, played: PlayedPod, obj: dict[str, Any] | None) -> None:
         with self._lock:
