@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import threading
 import time
@@ -27,17 +26,13 @@ import yaml
 from hooks.api.runtime import InferenceRuntime
 from hooks.runtime import drain
 from tests.engines import llamacpp, tiny_gguf
+from tests.ports import free_port
 
 RUNTIME = Path(__file__).resolve().parents[2] / "examples" / "runtimes" / "llamacpp-cpu.yaml"
 ALIAS = "tiny"
 
 pytestmark = pytest.mark.timeout(120)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:

@@ -4,13 +4,14 @@ rotate its certificate and token files."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import requests
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,9 +20,7 @@ class HookServerProcess:
     """Started with the certificate and key at the given paths; its output goes to ``log_file``."""
 
     def __init__(self, workdir: Path, cert: Path, key: Path, ca_file: Path, token: Path | None = None) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port = free_port()
         self.log_file = workdir / "hooks.log"
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prom")}
         if token is not None:

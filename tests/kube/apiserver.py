@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import requests
 
 from tests.pki import openssl
+from tests.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TESTENV_DIR = REPO_ROOT / "tools" / "kube-testenv"
@@ -140,12 +140,6 @@ def _build(bin_dir: Path) -> Path:
         )
     return bin_dir
 
-
-def free_port() -> int:
-    """An ephemeral port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _generate_pki(pki: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import requests
+
+from tests.ports import free_port
 
 BINARY = "docker-registry"
 
@@ -57,11 +58,6 @@ def ensure_registry_binary() -> str:
     except RegistryUnavailable as exc:
         pytest.skip(str(exc))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from tests.pki import (
     make_leaf,
     presented_certificate,
 )
+from tests.ports import free_port
 
 from .conftest import wait_until
 
@@ -224,9 +225,7 @@ def test_the_aggregate_scaler_refuses_a_secret_whose_ca_did_not_sign_its_certifi
 def test_the_aggregate_scaler_serves_reports_over_tls_and_the_expiry_of_what_it_serves(pki, tmp_path,
                                                                                         token_file) -> None:
     volume = SecretVolume(tmp_path / "secret", secret_files(pki))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "scaler", "aggregate", "--host", "127.0.0.1", "--report-port", str(port),
          "--scaler-port", "0", "--aggregator-token-file", str(token_file),
