@@ -9,12 +9,19 @@ While an AcceleratorPool lists this model's ScaledObject as yielding (its `statu
 ScaledObject gets the pool's short cooldownPeriod: KEDA then scales the model in once it has been
 idle that long — asking its gateway first, so a busy model never is — and the waiting model gets the
 accelerators. When the entry is gone the model's own cooldown is back.
+
+A ghost — a replica nobody waits for — gets a short cooldown too: when KEDA sees no demand (Active
+False) while the backend has never become Ready since it was asked for (its Pod still unscheduled),
+the cold request that asked for it has ended (504 activation_timeout, client gone). KEDA would keep
+that Pending replica for the whole cooldown, and the next accelerator freed could go to it: the model
+would load for nobody and hold the accelerator idle. GHOST_COOLDOWN_SECONDS lets it go at once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from hooks.api.status import Reason
 from hooks.config import HookConfig, resolve
 from hooks.controller import coldstart
 from hooks.controller import observe as obs
@@ -54,6 +61,25 @@ def yield_cooldown(pools: list[dict[str, Any]], scaled_object: str) -> int | Non
     return min(found) if found else None
 
 
+GHOST_COOLDOWN_SECONDS = 5
+# BackendReady reasons of a backend whose Pod is still unscheduled (hooks.controller.status).
+_UNSCHEDULED = frozenset({Reason.UNSCHEDULABLE, Reason.WAITING_FOR_ACCELERATOR})
+
+
+def _condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    status = (obj or {}).get("status")
+    conds = status.get("conditions") if isinstance(status, dict) else None
+    return next((c for c in conds if isinstance(c, dict) and c.get("type") == ctype), {}) if isinstance(conds, list) else {}
+
+
+def is_ghost(obj: dict[str, Any], scaled_object: dict[str, Any] | None) -> bool:
+    """No demand by KEDA's record, and the backend's replica still unscheduled (never Ready since it
+    was asked for): the request that woke it has ended."""
+    no_demand = _condition(scaled_object, "Active").get("status") == "False"
+    backend = _condition(obj, "BackendReady")
+    return no_demand and backend.get("status") == "False" and backend.get("reason") in _UNSCHEDULED
+
+
 def desired_scaled_object(obj: dict[str, Any], observed: obs.Observed, config: HookConfig) -> dict[str, Any] | None:
     """The ScaledObject for one LLMService, or None when it cannot be rendered right now."""
     service, _error = parse_service(obj)
@@ -68,7 +94,9 @@ def desired_scaled_object(obj: dict[str, Any], observed: obs.Observed, config: H
     if gateway_gone(obj, observed) is not None:
         return autoscaling.unreachable_scaled_object(ctx)
     yielding = yield_cooldown(observed.related_objects(POOL_GROUP), f"{namespace}/{names.scaled_object(ctx.name)}")
-    return autoscaling.scaled_object(ctx, yield_cooldown=yielding).scaled_object
+    ghost = is_ghost(obj, observed.child(obs.SCALED_OBJECT, names.scaled_object(ctx.name)))
+    return autoscaling.scaled_object(ctx, yield_cooldown=yielding,
+                                     ghost_cooldown=GHOST_COOLDOWN_SECONDS if ghost else None).scaled_object
 
 
 def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str, Any]:

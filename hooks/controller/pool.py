@@ -15,7 +15,7 @@ written only when the decision changes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -26,12 +26,19 @@ from hooks.api.pool import AcceleratorPool
 from hooks.config import HookConfig, resolve
 from hooks.controller import observe as obs
 from hooks.controller import status as st
+from hooks.controller.pool_decide import Decision, Promise, decide
 from hooks.controller.pool_facts import Model, Node, Pod, key, read_model, read_node, read_pod, units
 from hooks.errors import describe_validation_error
 from hooks.resources import labels
 
 POOL = f"AcceleratorPool.{API_VERSION}"
+# How soon a pool looks again without an event. Events (Pods, ScaledObjects, Nodes, pools) drive it;
+# these only cover a missed or coalesced update. While it acts (a promise stands, room is free for a
+# waiter, or a Pending Pod has no verdict from the scheduler yet) a miss costs a cold request its
+# deadline: look again soon. A Pod it cannot help (no idle holder, unsatisfiable, stuck on affinity)
+# changes only with an event it would see anyway: look again rarely.
 PENDING_RESYNC_SECONDS = 2.0
+HELPLESS_RESYNC_SECONDS = 30.0
 NODE = "Node.v1"
 
 
@@ -78,6 +85,10 @@ class PoolView:
     created: str
     selector: dict[str, str]
     nodes: tuple[Node, ...]
+    promises: tuple[Promise, ...] = ()  # what its status promised last
+
+    def can_serve(self, pod: Pod) -> bool:
+        return any(pod.can_use(n) for n in self.nodes)
 
     def owns_before(self, other: PoolView) -> bool:
         return (self.created, self.name) < (other.created, other.name)
@@ -94,7 +105,7 @@ def _pool_view(obj: dict[str, Any], node_objs: list[dict[str, Any]]) -> PoolView
         if node is not None and node.units > 0 and all(node.labels.get(k) == v for k, v in selector.items()):
             nodes.append(node)
     return PoolView(name=str(meta.get("name", "")), resource=resource, created=str(meta.get("creationTimestamp", "")),
-                    selector=selector, nodes=tuple(nodes))
+                    selector=selector, nodes=tuple(nodes), promises=tuple(_previous_promises(obj.get("status"))))
 
 
 def _overlap(me: PoolView, others: Iterable[PoolView]) -> tuple[PoolView, str] | None:
@@ -109,17 +120,9 @@ def _overlap(me: PoolView, others: Iterable[PoolView]) -> tuple[PoolView, str] |
     return None
 
 
-@dataclass(frozen=True)
-class Promise:
-    scaled_object: str
-    service: str
-    waiter: str
-    node: str
-    units: int
-
-    def wire(self, cooldown: int) -> dict[str, Any]:
-        return {"scaledObject": self.scaled_object, "service": self.service, "for": self.waiter, "node": self.node,
-                "units": self.units, "cooldownSeconds": cooldown}
+def wire_promise(promise: Promise, cooldown: int) -> dict[str, Any]:
+    return {"scaledObject": promise.scaled_object, "service": promise.service, "for": promise.waiter,
+            "node": promise.node, "units": promise.units, "cooldownSeconds": cooldown}
 
 
 def _previous_promises(status: Any) -> list[Promise]:
@@ -132,104 +135,6 @@ def _previous_promises(status: Any) -> list[Promise]:
         if all(isinstance(f, str) and f for f in fields) and units(y.get("units")) > 0:
             out.append(Promise(*fields, units=units(y.get("units"))))  # type: ignore[arg-type]
     return out
-
-
-@dataclass
-class Decision:
-    waiting: list[Pod] = field(default_factory=list)
-    promises: list[Promise] = field(default_factory=list)
-    scheduling: list[str] = field(default_factory=list)  # waiters with room already free
-    no_holder: list[str] = field(default_factory=list)
-    unsatisfiable: list[str] = field(default_factory=list)
-    held_back: list[str] = field(default_factory=list)  # busy or pinned holders, for the message
-
-
-def _held_by(pods: list[Pod], service: str, node: str) -> int:
-    return sum(p.units for p in pods if p.service == service and p.node == node)
-
-
-def decide(pool: PoolView, handles: set[str], pods: list[Pod], models: list[Model], previous: list[Promise]) -> Decision:
-    """The pure decision. `handles` are the waiters (Pod keys) this pool answers for."""
-    nodes = {n.name: n for n in pool.nodes}
-    ready_services = {p.service for p in pods if p.ready and not p.deleting}
-    by_service = {m.service: m for m in models}
-    # A Pod left Pending after its cold request ended (504, client gone) waits for nobody: KEDA keeps its
-    # replica only for the cooldown. Yielding to it would take an accelerator from a model for no one.
-    pending = {p.key: p for p in pods if not p.node and not p.deleting
-               and (p.service not in by_service or by_service[p.service].wants_replica)}
-    waiters = sorted((p for p in pending.values() if p.key in handles and p.short_of_resource and p.units > 0
-                      and p.service not in ready_services), key=lambda p: (p.created, p.key))
-    by_so = {m.scaled_object: m for m in models}
-    decision = Decision(waiting=waiters)
-    # A promise stands while its waiter is still unbound (and wanted). A victim that turned busy again
-    # keeps its promise only if no other idle holder can take over (decided below): moving the yield
-    # serves the waiter sooner, and keeping it otherwise spares the victim's ScaledObject a rewrite on
-    # every request (KEDA never scales in an active model; the short cooldown counts from its last one).
-    standing = [pr for pr in previous if pr.waiter in pending and pr.node in nodes]
-    turned_busy = [pr for pr in standing if by_so.get(pr.scaled_object) is not None and by_so[pr.scaled_object].active]
-    kept = [pr for pr in standing if pr not in turned_busy]
-    used = {pr.scaled_object for pr in kept}
-    bound = [p for p in pods if p.node in nodes]
-    # What each node will have free once the promised victims are gone (only Noctaya's Pods are seen).
-    room = {name: n.units - sum(p.units for p in bound if p.node == name) for name, n in nodes.items()}
-    for pr in kept:
-        room[pr.node] += _held_by(bound, pr.service, pr.node)
-    holders_on: dict[str, list[tuple[Model, int]]] = {name: [] for name in nodes}
-    for m in sorted(models, key=lambda m: (m.last_active, m.scaled_object)):
-        for name in nodes:
-            held = _held_by(bound, m.service, name)
-            if held <= 0:
-                continue
-            if m.idle and not m.pinned and m.scaled_object not in used:
-                holders_on[name].append((m, held))
-            elif not m.idle or m.pinned:
-                text = f"{m.service} ({m.pinned or ('busy' if m.active else 'not idle by KEDA')})"
-                if text not in decision.held_back:
-                    decision.held_back.append(text)
-    decision.promises.extend(kept)
-    for w in waiters:
-        mine = [pr for pr in kept if pr.waiter == w.key]
-        usable = [nodes[pr.node] for pr in mine[:1]] or [n for n in pool.nodes if w.can_use(n)]
-        best: tuple[tuple[str, str], str, list[tuple[Model, int]]] | None = None
-        for node in usable:
-            if room[node.name] >= w.units:
-                best = (("", node.name), node.name, [])
-                break
-            chosen, got = [], room[node.name]
-            for m, held in holders_on[node.name]:
-                if got >= w.units:
-                    break
-                if m.scaled_object in used:
-                    continue
-                chosen.append((m, held))
-                got += held
-            if got >= w.units:
-                rank = (chosen[-1][0].last_active, node.name)  # the node whose newest victim is least recent
-                if best is None or rank < best[0]:
-                    best = (rank, node.name, chosen)
-        if best is None:
-            largest = max((n.units for n in usable), default=0)
-            again = [pr for pr in turned_busy if pr.waiter == w.key and pr.scaled_object not in used]
-            if largest >= w.units and again:  # nobody else can take over: the busy victim still yields
-                decision.promises.extend(again)
-                used.update(pr.scaled_object for pr in again)
-                for pr in again:
-                    room[pr.node] += _held_by(bound, pr.service, pr.node)
-                room[again[0].node] -= w.units
-                continue
-            (decision.unsatisfiable if largest < w.units else decision.no_holder).append(
-                f"{w.key} needs {w.units} {pool.resource}" + (f"; the largest node it can use offers {largest}"
-                                                              if largest < w.units else ""))
-            continue
-        _, node_name, chosen = best
-        room[node_name] -= w.units  # these units are spoken for, whoever frees them
-        if not chosen and not mine:  # free already, not by a promise of this pool's
-            decision.scheduling.append(w.key)
-        for m, held in chosen:
-            used.add(m.scaled_object)
-            room[node_name] += held
-            decision.promises.append(Promise(m.scaled_object, m.service, w.key, node_name, held))
-    return decision
 
 
 def _contended(decision: Decision, resource: str) -> st.Cond:
@@ -246,6 +151,8 @@ def _contended(decision: Decision, resource: str) -> st.Cond:
         parts.append("no idle holder: " + "; ".join(decision.no_holder) + f" (holders: {held})")
     if decision.scheduling:
         parts.append("room is free, waiting for the scheduler: " + ", ".join(decision.scheduling))
+    if decision.dropped:
+        parts.append("re-planned: " + "; ".join(decision.dropped))
     reason = (PoolReason.YIELDING if decision.promises else PoolReason.UNSATISFIABLE if decision.unsatisfiable
               else PoolReason.NO_IDLE_HOLDER if decision.no_holder else PoolReason.SCHEDULING)
     return st.Cond(CONTENDED, "True", reason, st.short("; ".join(parts)))
@@ -289,18 +196,47 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
                                "first); this pool decides nothing until their nodes are disjoint")])
     pods = [p for p in (read_pod(o, spec.resource_name) for o in _sorted_related(observed, obs.POD)) if p is not None]
     models = [m for m in (read_model(o) for o in _sorted_related(observed, obs.SCALED_OBJECT)) if m is not None]
-    # A waiter that several pools of this resource could serve is answered by the first by name.
     peers = [o for o in others if o.resource == me.resource and _overlap(o, [me, *others]) is None]
-    handles = {p.key for p in pods
-               if not any(o.name < me.name and any(p.can_use(n) for n in o.nodes) for o in peers)}
-    decision = decide(me, handles, pods, models, _previous_promises(previous_status))
+    handles = assign_waiters(me, peers, pods, models)
+    decision = decide(me.resource, me.nodes, handles, pods, models, list(me.promises))
     cooldown = int(duration_seconds(spec.yield_after))
     status["waiting"] = [{"pod": w.key, "service": w.service, "need": w.units} for w in decision.waiting]
-    status["yielding"] = [p.wire(cooldown) for p in sorted(decision.promises, key=lambda p: (p.waiter, p.scaled_object))]
-    # Events drive the pool, but a backend Pod still Pending here is exactly when a missed or coalesced
-    # Pod update would cost a cold request its deadline: look again soon until none is left. Quiet
-    # pools resync only on events (and the controller's resyncPeriodSeconds).
-    pending = any(not p.node and not p.deleting and p.units > 0 and p.key in handles for p in pods)
+    status["yielding"] = [wire_promise(p, cooldown) for p in sorted(decision.promises, key=lambda p: (p.waiter, p.scaled_object))]
     return answer([st.Cond(ACCEPTED, "True", PoolReason.ACCEPTED,
                            f"{len(me.nodes)} node(s) offer {status['capacity']['units']} {spec.resource_name}"),
-                   _contended(decision, spec.resource_name)], PENDING_RESYNC_SECONDS if pending else 0.0)
+                   _contended(decision, spec.resource_name)], resync_after(decision, pods, handles))
+
+
+def assign_waiters(me: PoolView, peers: list[PoolView], pods: list[Pod], models: list[Model]) -> set[str]:
+    """The Pending Pods this pool answers for, when several pools of one resource (node groups) could.
+
+    Every pool runs the same cascade over the pools in name order, so all agree without talking: each
+    pool in turn decides for the Pods it can place that no earlier pool helps; a Pod it helps (a
+    promise, or room already free) is its own. A Pod nobody helps belongs to the first pool that
+    could place it (which says why not), or, when none can, to the first pool by name (which says
+    it is unsatisfiable). Pools that help nobody cost nothing: their decision takes no room or victim.
+    """
+    if not peers:
+        return {p.key for p in pods}
+    everyone = sorted([me, *peers], key=lambda v: v.name)
+    open_keys = {p.key for p in pods if not p.node and not p.deleting}
+    owner: dict[str, str] = {}
+    for view in everyone:
+        candidates = {p.key for p in pods if p.key in open_keys and view.can_serve(p)}
+        decision = decide(view.resource, view.nodes, candidates, pods, models, list(view.promises))
+        for helped in {pr.waiter for pr in decision.promises} | set(decision.scheduling):
+            owner.setdefault(helped, view.name)
+            open_keys.discard(helped)
+    for p in pods:
+        if p.key not in owner:
+            owner[p.key] = next((v.name for v in everyone if v.can_serve(p)), everyone[0].name)
+    return {key for key, name in owner.items() if name == me.name}
+
+
+def resync_after(decision: Decision, pods: list[Pod], handles: set[str]) -> float:
+    """PENDING_RESYNC_SECONDS while the pool acts, HELPLESS_RESYNC_SECONDS while Pods wait that it
+    cannot help, 0 (events only) when nothing waits."""
+    pending = [p for p in pods if not p.node and not p.deleting and p.units > 0 and p.key in handles]
+    if decision.promises or decision.scheduling or any(not p.refused for p in pending):
+        return PENDING_RESYNC_SECONDS
+    return HELPLESS_RESYNC_SECONDS if pending else 0.0

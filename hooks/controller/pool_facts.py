@@ -87,6 +87,7 @@ class Pod:
     deleting: bool
     ready: bool
     short_of_resource: bool  # PodScheduled=False/Unschedulable naming "Insufficient <resource>"
+    refused: bool  # PodScheduled=False/Unschedulable, for whatever reason: the scheduler has spoken
     node_selector: dict[str, str]
     tolerations: tuple[dict[str, Any], ...]
     affinity_terms: tuple[tuple[dict[str, Any], ...], ...]  # required node affinity: OR of ANDs
@@ -144,7 +145,8 @@ def read_pod(obj: dict[str, Any], resource: str) -> Pod | None:
     need = max([sum(_container_units(spec.get("containers"), resource)),
                 *_container_units(spec.get("initContainers"), resource)])
     scheduled = condition(obj, "PodScheduled")
-    short = (scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+    refused = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+    short = (refused
              and f"Insufficient {resource}" in str(scheduled.get("message", "")))
     required = _dict(_dict(_dict(spec.get("affinity")).get("nodeAffinity")).get(
         "requiredDuringSchedulingIgnoredDuringExecution"))
@@ -159,7 +161,7 @@ def read_pod(obj: dict[str, Any], resource: str) -> Pod | None:
         units=need, created=str(meta.get("creationTimestamp", "")),
         deleting=meta.get("deletionTimestamp") is not None,
         ready=condition(obj, "Ready").get("status") == "True",
-        short_of_resource=short, node_selector=_str_map(spec.get("nodeSelector")),
+        short_of_resource=short, refused=refused, node_selector=_str_map(spec.get("nodeSelector")),
         tolerations=tuple(t for t in _list(spec.get("tolerations")) if isinstance(t, dict)),
         affinity_terms=terms,
     )
@@ -176,12 +178,32 @@ class Model:
     active: bool  # Active=True
     pinned: str  # why it never yields ("" when it may)
     minimum: int = 0  # minReplicaCount: a replica it keeps without any demand
+    stuck: str = ""  # why KEDA will not scale it in whatever its Active says: paused, scaler not Ready
 
     @property
     def wants_replica(self) -> bool:
         """Demand now (KEDA Active) or a floor: a Pending Pod of a model with neither is only KEDA's
         cooldown keeping a replica nobody asked for (its cold request already ended)."""
         return self.active or self.minimum > 0
+
+
+# KEDA's own ways to stop autoscaling a ScaledObject: its Active condition then stays as it was.
+PAUSE_ANNOTATIONS = {"autoscaling.keda.sh/paused": "true", "autoscaling.keda.sh/paused-scale-in": "true",
+                     "autoscaling.keda.sh/paused-replicas": None}  # None: any value pauses
+
+
+def _stuck(obj: dict[str, Any]) -> str:
+    """Why KEDA will not scale this model in, by its own record ("" when nothing stops it)."""
+    annotations = _str_map(_dict(obj.get("metadata")).get("annotations"))
+    for name, value in PAUSE_ANNOTATIONS.items():
+        if name in annotations and (value is None or annotations[name].strip().lower() == value):
+            return f"paused: {name}"
+    if condition(obj, "Paused").get("status") == "True":
+        return "paused"
+    ready = condition(obj, "Ready")
+    if ready.get("status") != "True":
+        return f"scaler not Ready: {ready.get('reason') or 'no Ready condition'}"
+    return ""
 
 
 def read_model(obj: dict[str, Any]) -> Model | None:
@@ -199,7 +221,7 @@ def read_model(obj: dict[str, Any]) -> Model | None:
     elif isinstance(minimum, int) and minimum > 0:
         pinned = f"min {minimum}"
     last = status.get("lastActiveTime")
-    return Model(
+    return Model(stuck=_stuck(obj),
         scaled_object=key(obj), service=f"{namespace}/{obj_labels[labels.LLMSERVICE]}",
         last_active=last if isinstance(last, str) else "",
         idle=active.get("status") == "False" and active.get("reason") == "ScalerCooldown" and isinstance(last, str),

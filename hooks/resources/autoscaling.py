@@ -169,13 +169,17 @@ def member_polling(ctx: RenderContext, cooldown: int) -> int:
     return max(seconds, min(MEMBER_POLLING_SECONDS, cooldown))
 
 
-def scaled_object(ctx: RenderContext, yield_cooldown: int | None = None) -> ScaledObjectPlan:
+def scaled_object(ctx: RenderContext, yield_cooldown: int | None = None,
+                  ghost_cooldown: int | None = None) -> ScaledObjectPlan:
     """The ScaledObject. `yield_cooldown`: the shortest cooldown an AcceleratorPool gives this model while
-    it yields its accelerators (hooks.controller.autoscaling); it only ever shortens the model's own."""
+    it yields its accelerators; `ghost_cooldown`: the one a replica nobody waits for gets (both
+    hooks.controller.autoscaling). Each only ever shortens the model's own."""
     scaling = ctx.service.spec.scaling
     cooldown = ctx.seconds(scaling.cooldown_period)
     if yield_cooldown is not None and scaling.yield_policy != "Never":  # Never wins over a stale pool entry
         cooldown = min(cooldown, max(yield_cooldown, 0))
+    if ghost_cooldown is not None:  # a ghost holds no accelerator: Never has nothing to protect
+        cooldown = min(cooldown, max(ghost_cooldown, 0))
     demand: dict[str, Any] = {
         "type": "external-push",
         "name": DEMAND_TRIGGER,

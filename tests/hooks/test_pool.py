@@ -64,7 +64,8 @@ def scaled(service: str, state: str, last: str | None = "2026-12-05T07:50:00Z", 
     obj: dict[str, Any] = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
                            "metadata": {"name": f"{service}-backend", "namespace": ns, "labels": labels},
                            "spec": {"minReplicaCount": minimum, "cooldownPeriod": 300},
-                           "status": {"conditions": [{"type": "Active", "status": status, "reason": reason}]}}
+                           "status": {"conditions": [{"type": "Ready", "status": "True", "reason": "ScaledObjectReady"},
+                                                     {"type": "Active", "status": status, "reason": reason}]}}
     if last:
         obj["status"]["lastActiveTime"] = last
     return obj
@@ -334,3 +335,126 @@ def test_a_pending_pod_whose_cold_request_ended_makes_nobody_yield() -> None:
     # A model with a floor (min 1) wants its replica without any demand: it is still a waiter.
     objs[6] = scaled("c", "zero", None, minimum=1)
     assert victims(run(pool_obj(), *objs)) == ["team/a-backend"]
+
+
+# --- KEDA's own record, stale promises, sizing, resync (issue 31) ---------------------------------
+
+
+def paused(obj: dict[str, Any], how: str = "annotation") -> dict[str, Any]:
+    if how == "annotation":
+        obj["metadata"]["annotations"] = {"autoscaling.keda.sh/paused": "true"}
+    elif how == "replicas":
+        obj["metadata"]["annotations"] = {"autoscaling.keda.sh/paused-replicas": "1"}
+    else:
+        obj["status"]["conditions"].append({"type": "Paused", "status": "True", "reason": "ScaledObjectPaused"})
+    return obj
+
+
+def broken(obj: dict[str, Any]) -> dict[str, Any]:
+    """What KEDA writes when the scaler stops answering: Ready=False, Active=False/ScalerNotActive; its
+    lastActiveTime stays as it was."""
+    obj["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": "ScaledObjectCheckFailed"},
+                                   {"type": "Active", "status": "False", "reason": "ScalerNotActive"}]
+    return obj
+
+
+@pytest.mark.parametrize("how", ["annotation", "replicas", "condition"])
+def test_a_paused_lru_holder_is_no_holder_and_its_stale_cooldown_record_does_not_make_it_the_victim(how: str) -> None:
+    objs = two_idle_and_a_waiter()
+    objs[4] = paused(objs[4], how)  # a: the LRU, its Active=False/ScalerCooldown frozen by the pause
+    status = run(pool_obj(), *objs)
+    assert victims(status) == ["team/b-backend"]
+    objs[5] = paused(objs[5], how)
+    status = run(pool_obj(), *objs)
+    assert status["yielding"] == [] and cond(status, "Contended")["reason"] == "NoIdleHolder"
+    assert "team/a (paused" in cond(status, "Contended")["message"]
+
+
+def test_a_victim_whose_scaler_breaks_after_it_was_listed_loses_its_promise_to_another_idle_model() -> None:
+    objs = two_idle_and_a_waiter()
+    first = run(pool_obj(), *objs)
+    assert victims(first) == ["team/a-backend"]
+    objs[4] = broken(objs[4])
+    second = run(pool_obj(status=first), *objs)
+    assert victims(second) == ["team/b-backend"]
+    message = cond(second, "Contended")["message"]
+    assert "re-planned: team/c-backend-0: team/a will not be scaled in by KEDA (scaler not Ready: ScaledObjectCheckFailed)" in message
+    # Paused after it was listed: the same.
+    objs = two_idle_and_a_waiter()
+    objs[4] = paused(objs[4])
+    assert victims(run(pool_obj(status=first), *objs)) == ["team/b-backend"]
+
+
+def test_a_victim_keda_just_scaled_in_keeps_its_promise_while_its_pod_terminates() -> None:
+    objs = two_idle_and_a_waiter()
+    first = run(pool_obj(), *objs)
+    objs[4] = scaled("a", "zero", "2026-12-05T07:40:00Z")  # Active=False/ScalerNotActive, Ready: scaled in
+    assert run(pool_obj(status=first), *objs)["yielding"] == first["yielding"]
+
+
+def test_two_waiters_crossing_nodes_are_both_served_and_no_promise_is_left_on_a_taken_node() -> None:
+    objs = [node("n1", 1), node("n2", 1), pod("a", node_name="n1"), pod("b", node_name="n2"),
+            pod("c", waiting=True, created="2026-12-05T07:57:00Z"), pod("d", waiting=True, created="2026-12-05T07:58:00Z"),
+            scaled("a", "idle", "2026-12-05T07:40:00Z"), scaled("b", "idle", "2026-12-05T07:45:00Z")]
+    first = run(pool_obj(), *objs)
+    assert {(y["for"], y["node"]) for y in first["yielding"]} == {("team/c-backend-0", "n1"), ("team/d-backend-0", "n2")}
+    # Both victims gone; the scheduler binds the younger waiter d on n1, the node promised to c.
+    crossed = [node("n1", 1), node("n2", 1), pod("c", waiting=True, created="2026-12-05T07:57:00Z"),
+               pod("d", node_name="n1", created="2026-12-05T07:58:00Z"),
+               scaled("a", "zero", "2026-12-05T07:40:00Z"), scaled("b", "zero", "2026-12-05T07:45:00Z")]
+    second = run(pool_obj(status=first), *crossed)
+    assert second["yielding"] == [], "a promise tied to a node with no holder and no room is dropped"
+    contended = cond(second, "Contended")
+    assert contended["reason"] == "Scheduling" and "team/c-backend-0" in contended["message"]
+    assert "the room team/a freed on n1 was taken by another Pod" in contended["message"]
+
+
+def test_a_victim_is_sized_to_the_need_a_multi_replica_model_counts_every_replica() -> None:
+    # a is the LRU but holds two GPUs (n1 and n2); b holds one on n1: a one-GPU waiter takes b.
+    objs = [node("n1", 2), node("n2", 1), pod("a", 0, node_name="n1"), pod("a", 1, node_name="n2"),
+            pod("b", node_name="n1"), pod("c", waiting=True),
+            scaled("a", "idle", "2026-12-05T07:40:00Z"), scaled("b", "idle", "2026-12-05T07:45:00Z")]
+    assert victims(run(pool_obj(), *objs)) == ["team/b-backend"]
+    # A two-GPU waiter that fits only n1 (2 GPUs): a's replica there and b together, nothing cheaper exists.
+    objs[5] = pod("c", waiting=True, gpus=2)
+    assert sorted(victims(run(pool_obj(), *objs))) == ["team/a-backend", "team/b-backend"]
+
+
+def test_a_pool_looks_again_rarely_for_pods_it_cannot_help() -> None:
+    objs = [node("n1", 1), pod("a", node_name="n1"), pod("c", waiting=True), scaled("a", "busy")]
+    answer = pool.sync(request(pool_obj(), *objs), CONFIG)
+    assert cond(answer["status"], "Contended")["reason"] == "NoIdleHolder"
+    assert answer["resyncAfterSeconds"] == pool.HELPLESS_RESYNC_SECONDS
+    stuck = pod("c", nodeSelector={"gpu": "h100"})  # refused by the scheduler for its selector, not for GPUs
+    stuck["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                           "message": "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector."}]}
+    answer = pool.sync(request(pool_obj(), *objs[:2], stuck, objs[3]), CONFIG)
+    assert answer["status"]["waiting"] == [] and answer["resyncAfterSeconds"] == pool.HELPLESS_RESYNC_SECONDS
+
+
+def test_pools_on_two_node_groups_cooperate_for_a_waiter_that_fits_either() -> None:
+    left = pool_obj("left", nodeSelector={"zone": "a"})
+    right = pool_obj("right", nodeSelector={"zone": "b"})
+    objs = [node("n1", 1, labels={"zone": "a"}), node("n2", 1, labels={"zone": "b"}), pod("a", node_name="n1"),
+            pod("b", node_name="n2"), pod("c", waiting=True), scaled("a", "busy"), scaled("b", "idle")]
+    # left (first by name) cannot help: its only holder is busy. right's idle model yields.
+    first_left = run(left, *objs, pools=[left, right])
+    assert first_left["waiting"] == [] and first_left["yielding"] == []
+    first_right = run(right, *objs, pools=[left, right])
+    assert victims(first_right) == ["team/b-backend"]
+    # Each pool reads the other's status; the answer stays the same with both statuses written.
+    left["status"], right["status"] = first_left, first_right
+    assert run(left, *objs, pools=[left, right])["yielding"] == []
+    assert run(right, *objs, pools=[left, right])["yielding"] == first_right["yielding"]
+    # Nobody can help: the first pool that could place it says why.
+    objs[6] = scaled("b", "busy")
+    for p in (left, right):
+        p.pop("status")
+    assert cond(run(left, *objs, pools=[left, right]), "Contended")["reason"] == "NoIdleHolder"
+    assert run(right, *objs, pools=[left, right])["waiting"] == []
+    # A waiter only right can place is right's, whatever left can do.
+    only_b = pod("c", waiting=True, nodeSelector={"zone": "b"})
+    objs[4], objs[6] = only_b, scaled("b", "idle")
+    objs[5] = scaled("a", "idle")
+    assert run(left, *objs, pools=[left, right])["waiting"] == []
+    assert victims(run(right, *objs, pools=[left, right])) == ["team/b-backend"]

@@ -347,3 +347,41 @@ def test_a_yielding_member_is_polled_once_per_pool_cooldown() -> None:
     assert scaled_object(decorate(**member))["spec"]["pollingInterval"] == 300
     yielding = scaled_object(decorate([pool_obj(yielding=[entry(cooldown=60)])], **member))["spec"]
     assert (yielding["cooldownPeriod"], yielding["pollingInterval"]) == (60, 60)
+
+
+# --- ghosts: a replica nobody waits for (issue 31) -------------------------------------------------
+
+
+def _with_status(svc: dict, backend: tuple[str, str]) -> dict:
+    svc = copy.deepcopy(svc)
+    svc["status"] = {"conditions": [{"type": "BackendReady", "status": backend[0], "reason": backend[1], "message": "",
+                                     "lastTransitionTime": h.FIXED_TIME}]}
+    return svc
+
+
+def _keda_says(so: dict, active: tuple[str, str]) -> dict:
+    so = h.as_observed(so)
+    so["status"] = {"conditions": [{"type": "Ready", "status": "True", "reason": "ScaledObjectReady"},
+                                   {"type": "Active", "status": active[0], "reason": active[1]}]}
+    return so
+
+
+@pytest.mark.parametrize(("backend", "active", "ghost"), [
+    (("False", "Unschedulable"), ("False", "ScalerCooldown"), True),  # the 504 came, the Pod still Pending
+    (("False", "WaitingForAccelerator"), ("False", "ScalerCooldown"), True),
+    (("False", "Unschedulable"), ("True", "ScalerActive"), False),  # its request is still held
+    (("False", "Activating"), ("False", "ScalerCooldown"), False),  # scheduled and loading: not a Pending replica
+    (("True", "Ready"), ("False", "ScalerCooldown"), False),  # idle but served: the pool's business, not a ghost
+])
+def test_a_ghost_replica_gets_a_short_cooldown_and_nothing_else_does(backend: tuple[str, str], active: tuple[str, str],
+                                                                     ghost: bool) -> None:
+    plain = decorate(None)
+    observed = [_keda_says(scaled_object(plain), active)]
+    svc = _with_status(h.llmservice(), backend)
+    answer = autoscaling.sync(h.decorator_request(svc, attachments=observed), h.config())
+    expected = autoscaling.GHOST_COOLDOWN_SECONDS if ghost else 300
+    assert cooldowns(answer) == (expected, expected)
+    # The same answer on every resync; and yieldPolicy Never does not keep a ghost (it holds nothing).
+    assert dump(autoscaling.sync(h.decorator_request(svc, attachments=observed), h.config())) == dump(answer)
+    never = _with_status(h.llmservice(scaling={"yieldPolicy": "Never"}), backend)
+    assert cooldowns(autoscaling.sync(h.decorator_request(never, attachments=observed), h.config()))[0] == expected
