@@ -71,10 +71,24 @@ class Yield(_StatusModel):
     node: str = Field(description="The node where the victim's units are freed.")
     units: int = Field(description="Units the victim frees on that node.")
     cooldown_seconds: int = Field(description="The cooldownPeriod the victim's ScaledObject gets while listed (yieldAfter).")
+    listed_at: str = Field(
+        default="",
+        description="When the pool made this promise (RFC 3339). A victim still not scaled in 60 s after it became due "
+        "(listedAt, and idle for yieldAfter) is recorded in status.stalled and its waiter placed again.",
+    )
+
+
+class Stalled(_StatusModel):
+    scaled_object: str = Field(description="A victim KEDA did not scale in when due (namespace/name).")
+    last_active_time: str = Field(
+        description="Its KEDA lastActiveTime then. The entry stands, and the model is no holder, until that changes (KEDA "
+        "is working on it again) or the model holds nothing on the pool's nodes."
+    )
 
 
 class AcceleratorPoolStatus(_StatusModel):
-    """The pool's decision: every field is derived from observed objects and this status, never from a clock."""
+    """The pool's decision: derived from observed objects and this status; the clock only stamps a new promise
+    (listedAt) and bounds how long one may stand without KEDA acting (stalled)."""
 
     observed_generation: int | None = Field(default=None, description="The spec generation last processed.")
     capacity: PoolCapacity | None = Field(default=None, description="What the pool's nodes offer.")
@@ -83,6 +97,11 @@ class AcceleratorPoolStatus(_StatusModel):
         default_factory=list,
         description="Promises: which idle model frees units for which waiter. An entry stays until its waiter is "
         "bound or gone, so the pool never evicts twice for one waiter while the scheduler catches up.",
+    )
+    stalled: list[Stalled] = Field(
+        default_factory=list,
+        description="Victims idle by KEDA's record that KEDA did not scale in when due (its operator down or not "
+        "reconciling them): Contended=True/YieldStalled while any stands.",
     )
     conditions: list[Condition] = Field(
         default_factory=list, description="Accepted and Contended.", json_schema_extra=_CONDITION_LIST

@@ -52,6 +52,7 @@ class PoolReason(StrEnum):
     SCHEDULING = "Scheduling"  # room is free (or promised and freed): the scheduler has yet to bind
     NO_IDLE_HOLDER = "NoIdleHolder"
     UNSATISFIABLE = "Unsatisfiable"
+    YIELD_STALLED = "YieldStalled"  # a victim idle by KEDA's record was not scaled in when due: is KEDA running?
 
 
 ACCEPTED, CONTENDED = "Accepted", "Contended"
@@ -122,7 +123,16 @@ def _overlap(me: PoolView, others: Iterable[PoolView]) -> tuple[PoolView, str] |
 
 def wire_promise(promise: Promise, cooldown: int) -> dict[str, Any]:
     return {"scaledObject": promise.scaled_object, "service": promise.service, "for": promise.waiter,
-            "node": promise.node, "units": promise.units, "cooldownSeconds": cooldown}
+            "node": promise.node, "units": promise.units, "cooldownSeconds": cooldown, "listedAt": promise.listed_at}
+
+
+def _previous_stalled(status: Any) -> dict[str, str]:
+    entries = status.get("stalled") if isinstance(status, dict) else None
+    out = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("scaledObject"), str) and isinstance(entry.get("lastActiveTime"), str):
+            out[entry["scaledObject"]] = entry["lastActiveTime"]
+    return out
 
 
 def _previous_promises(status: Any) -> list[Promise]:
@@ -133,7 +143,8 @@ def _previous_promises(status: Any) -> list[Promise]:
             continue
         fields = (y.get("scaledObject"), y.get("service"), y.get("for"), y.get("node"))
         if all(isinstance(f, str) and f for f in fields) and units(y.get("units")) > 0:
-            out.append(Promise(*fields, units=units(y.get("units"))))  # type: ignore[arg-type]
+            listed = y.get("listedAt") if isinstance(y.get("listedAt"), str) else ""
+            out.append(Promise(*fields, units=units(y.get("units")), listed_at=listed))  # type: ignore[arg-type]
     return out
 
 
@@ -151,9 +162,9 @@ def _contended(decision: Decision, resource: str) -> st.Cond:
         parts.append("no idle holder: " + "; ".join(decision.no_holder) + f" (holders: {held})")
     if decision.scheduling:
         parts.append("room is free, waiting for the scheduler: " + ", ".join(decision.scheduling))
-    if decision.dropped:
-        parts.append("re-planned: " + "; ".join(decision.dropped))
-    reason = (PoolReason.YIELDING if decision.promises else PoolReason.UNSATISFIABLE if decision.unsatisfiable
+    if decision.stalled:
+        parts.append("not scaled in by KEDA when due (is KEDA's operator running?): " + ", ".join(sorted(decision.stalled)))
+    reason = (PoolReason.YIELD_STALLED if decision.stalled else PoolReason.YIELDING if decision.promises else PoolReason.UNSATISFIABLE if decision.unsatisfiable
               else PoolReason.NO_IDLE_HOLDER if decision.no_holder else PoolReason.SCHEDULING)
     return st.Cond(CONTENDED, "True", reason, st.short("; ".join(parts)))
 
@@ -198,10 +209,13 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
     models = [m for m in (read_model(o) for o in _sorted_related(observed, obs.SCALED_OBJECT)) if m is not None]
     peers = [o for o in others if o.resource == me.resource and _overlap(o, [me, *others]) is None]
     handles = assign_waiters(me, peers, pods, models)
-    decision = decide(me.resource, me.nodes, handles, pods, models, list(me.promises))
     cooldown = int(duration_seconds(spec.yield_after))
+    decision = decide(me.resource, me.nodes, handles, pods, models, list(me.promises), now=cfg.clock(),
+                      yield_after=cooldown, stalled=_previous_stalled(previous_status))
     status["waiting"] = [{"pod": w.key, "service": w.service, "need": w.units} for w in decision.waiting]
     status["yielding"] = [wire_promise(p, cooldown) for p in sorted(decision.promises, key=lambda p: (p.waiter, p.scaled_object))]
+    if decision.stalled:  # only while one stands: a pool that never stalled writes no such field
+        status["stalled"] = [{"scaledObject": so, "lastActiveTime": last} for so, last in sorted(decision.stalled.items())]
     return answer([st.Cond(ACCEPTED, "True", PoolReason.ACCEPTED,
                            f"{len(me.nodes)} node(s) offer {status['capacity']['units']} {spec.resource_name}"),
                    _contended(decision, spec.resource_name)], resync_after(decision, pods, handles))

@@ -23,10 +23,16 @@ Order matters and is the policy:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from enum import StrEnum
 
 from hooks.controller.pool_facts import Model, Node, Pod
+
+# How long past the moment a victim became due (listed, idle for yieldAfter) KEDA may take to scale it
+# in before the pool stops waiting on it: a KEDA poll (30 s by default) plus the scale-in, with room.
+# A victim's Pods that are terminating are progress (the preStop drain), never a stall.
+STALL_GRACE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class Promise:
     waiter: str
     node: str
     units: int
+    listed_at: str = ""  # RFC 3339: when the pool first made this promise ("" from an older release)
 
 
 @dataclass
@@ -46,7 +53,7 @@ class Decision:
     no_holder: list[str] = field(default_factory=list)
     unsatisfiable: list[str] = field(default_factory=list)
     held_back: list[str] = field(default_factory=list)  # busy, pinned or stuck holders, for the message
-    dropped: list[str] = field(default_factory=list)  # promises withdrawn and why, for the message
+    stalled: dict[str, str] = field(default_factory=dict)  # ScaledObject -> its lastActiveTime when it stalled
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,16 @@ class Facts:
     models: dict[str, Model]  # by ScaledObject key
     pending: dict[str, Pod]  # unbound backend Pods someone still wants, by key
     bound: list[Pod]  # Pods on this pool's nodes
+    now: str = ""  # the hook's clock, RFC 3339: new promises are stamped with it, stalls measured by it
+    yield_after: float = 0.0
+    stalled: dict[str, str] = field(default_factory=dict)  # earlier stalls still true (see read_facts)
 
     def held_by(self, service: str, node: str) -> int:
         return sum(p.units for p in self.bound if p.service == service and p.node == node)
+
+    def letting_go(self, service: str, node: str) -> bool:
+        """Every Pod the model has on the node is terminating: KEDA did its part."""
+        return all(p.deleting for p in self.bound if p.service == service and p.node == node)
 
     def holding(self, service: str) -> int:
         """Everything a model holds on this pool's nodes: what it gives up when it yields (KEDA
@@ -72,14 +86,29 @@ class Facts:
         return self.nodes[node].units - sum(p.units for p in self.bound if p.node == node)
 
 
-def read_facts(resource: str, nodes: tuple[Node, ...], pods: list[Pod], models: list[Model]) -> Facts:
+def read_facts(resource: str, nodes: tuple[Node, ...], pods: list[Pod], models: list[Model], *, now: str = "",
+               yield_after: float = 0.0, stalled: dict[str, str] | None = None) -> Facts:
+    """`stalled`: the pool's earlier record of victims KEDA did not scale in; an entry stands while
+    the model still holds accelerators here and KEDA's lastActiveTime for it is unchanged (a new one
+    means KEDA is working on it again)."""
     by_service = {m.service: m for m in models}
+    by_so = {m.scaled_object: m for m in models}
+    bound = [p for p in pods if p.node and p.node in {n.name for n in nodes}]
+    holding = {p.service for p in bound}
     return Facts(
-        resource=resource, nodes={n.name: n for n in nodes}, pods=pods,
-        models={m.scaled_object: m for m in models},
-        pending={p.key: p for p in pods if wanted(p, by_service.get(p.service))},
-        bound=[p for p in pods if p.node and p.node in {n.name for n in nodes}],
+        resource=resource, nodes={n.name: n for n in nodes}, pods=pods, models=by_so,
+        pending={p.key: p for p in pods if wanted(p, by_service.get(p.service))}, bound=bound,
+        now=now, yield_after=yield_after,
+        stalled={so: last for so, last in sorted((stalled or {}).items())
+                 if so in by_so and by_so[so].last_active == last and by_so[so].service in holding},
     )
+
+
+def _time(value: str) -> datetime | None:
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
+    except ValueError:
+        return None
 
 
 # --- 1 and 2: who waits ---------------------------------------------------------------------------
@@ -105,6 +134,7 @@ class Verdict(StrEnum):
     KEEP = "keep"
     FALLBACK = "fallback"  # its victim turned busy: kept only if no other holder can take over
     DROP = "drop"
+    STALLED = "stalled"  # dropped, and its victim is no holder until KEDA moves it (see yield_stalled)
 
 
 PromiseRule = Callable[[Promise, Facts], tuple[Verdict, str] | None]
@@ -148,7 +178,25 @@ def victim_not_idle_by_keda(promise: Promise, facts: Facts) -> tuple[Verdict, st
     return None
 
 
-PROMISE_RULES: tuple[PromiseRule, ...] = (waiter_gone, node_left, victim_let_go_and_room_taken, victim_not_idle_by_keda)
+def yield_stalled(promise: Promise, facts: Facts) -> tuple[Verdict, str] | None:
+    """A victim idle by KEDA's record that is still not scaled in well after it became due (listed
+    and idle for yieldAfter): KEDA is not acting (down, or not reconciling it). Nothing in KEDA's
+    record shows that, so the pool's clock bounds the wait; the waiter is placed again."""
+    model = facts.models.get(promise.scaled_object)
+    if model is None or facts.held_by(promise.service, promise.node) == 0 or facts.letting_go(promise.service, promise.node):
+        return None
+    now, listed, last = _time(facts.now), _time(promise.listed_at), _time(model.last_active)
+    if now is None or last is None:
+        return None
+    due = max(listed or last, last + timedelta(seconds=facts.yield_after))
+    if now <= due + timedelta(seconds=STALL_GRACE_SECONDS):
+        return None
+    return Verdict.STALLED, (f"{promise.service} was due to scale in at {due:%Y-%m-%dT%H:%M:%SZ} and KEDA has not "
+                             "scaled it in (is KEDA's operator running?)")
+
+
+PROMISE_RULES: tuple[PromiseRule, ...] = (
+    waiter_gone, node_left, victim_let_go_and_room_taken, victim_not_idle_by_keda, yield_stalled)
 
 
 def judge(promise: Promise, facts: Facts, rules: tuple[PromiseRule, ...] = PROMISE_RULES) -> tuple[Verdict, str]:
@@ -162,16 +210,18 @@ def judge(promise: Promise, facts: Facts, rules: tuple[PromiseRule, ...] = PROMI
 # --- 4: who may hold for others -------------------------------------------------------------------
 
 
-def may_yield(model: Model) -> bool:
-    return model.idle and not model.pinned and not model.stuck
+def may_yield(model: Model, stalled: dict[str, str]) -> bool:
+    return model.idle and not model.pinned and not model.stuck and model.scaled_object not in stalled
 
 
-def held_back(model: Model) -> str:
+def held_back(model: Model, stalled: dict[str, str]) -> str:
     """Why a holder does not yield, for the message."""
     if model.pinned:
         return model.pinned
     if model.stuck:
         return model.stuck
+    if model.scaled_object in stalled:
+        return "not scaled in by KEDA when due"
     return "busy" if model.active else "not idle by KEDA"
 
 
@@ -185,10 +235,10 @@ def holders(facts: Facts, used: set[str]) -> tuple[dict[str, list[tuple[Model, i
             held = facts.held_by(m.service, name)
             if held <= 0:
                 continue
-            if may_yield(m):
+            if may_yield(m, facts.stalled):
                 if m.scaled_object not in used:
                     on[name].append((m, held))
-            elif (text := f"{m.service} ({held_back(m)})") not in back:
+            elif (text := f"{m.service} ({held_back(m, facts.stalled)})") not in back:
                 back.append(text)
     for listed in on.values():
         # Whole holdings first: a model with replicas on other nodes frees only part of what it gives up.
@@ -251,19 +301,22 @@ def place(waiter: Pod, usable: list[Node], facts: Facts, ledger: Ledger,
 
 
 def decide(resource: str, nodes: tuple[Node, ...], handles: set[str], pods: list[Pod], models: list[Model],
-           previous: list[Promise]) -> Decision:
-    """The pure decision. `handles` are the waiters (Pod keys) this pool answers for."""
-    facts = read_facts(resource, nodes, pods, models)
-    decision = Decision(waiting=waiters(facts, handles))
+           previous: list[Promise], *, now: str = "", yield_after: float = 0.0,
+           stalled: dict[str, str] | None = None) -> Decision:
+    """The pure decision. `handles` are the waiters (Pod keys) this pool answers for; `now` stamps new
+    promises and bounds old ones; `stalled` is the pool's earlier record of victims KEDA left alone."""
+    facts = read_facts(resource, nodes, pods, models, now=now, yield_after=yield_after, stalled=stalled)
+    decision = Decision(waiting=waiters(facts, handles), stalled=dict(facts.stalled))
     kept, fallback = [], []
     for promise in previous:
-        verdict, why = judge(promise, facts)
+        verdict, _why = judge(promise, facts)
         if verdict is Verdict.KEEP:
-            kept.append(promise)
+            kept.append(promise if promise.listed_at else replace(promise, listed_at=now))
         elif verdict is Verdict.FALLBACK:
             fallback.append(promise)
-        elif why and promise.waiter in facts.pending:
-            decision.dropped.append(f"{promise.waiter}: {why}")
+        elif verdict is Verdict.STALLED:
+            decision.stalled[promise.scaled_object] = facts.models[promise.scaled_object].last_active
+    facts = replace(facts, stalled=decision.stalled)
     ledger = Ledger(room={name: facts.free(name) for name in facts.nodes}, used={p.scaled_object for p in kept})
     for promise in kept:
         ledger.room[promise.node] += facts.held_by(promise.service, promise.node)
@@ -288,7 +341,7 @@ def _answer(waiter: Pod, facts: Facts, ledger: Ledger, holders_on: dict[str, lis
     for m, held in best.victims:
         ledger.used.add(m.scaled_object)
         ledger.room[best.node] += held
-        decision.promises.append(Promise(m.scaled_object, m.service, waiter.key, best.node, held))
+        decision.promises.append(Promise(m.scaled_object, m.service, waiter.key, best.node, held, facts.now))
 
 
 def _no_placement(waiter: Pod, usable: list[Node], facts: Facts, ledger: Ledger, fallback: list[Promise],

@@ -103,7 +103,7 @@ def test_the_least_recently_used_idle_model_yields_and_only_it() -> None:
     status = run(pool_obj(), *two_idle_and_a_waiter())
     assert status["waiting"] == [{"pod": "team/c-backend-0", "service": "team/c", "need": 1}]
     assert status["yielding"] == [{"scaledObject": "team/a-backend", "service": "team/a", "for": "team/c-backend-0",
-                                   "node": "n1", "units": 1, "cooldownSeconds": 5}]
+                                   "node": "n1", "units": 1, "cooldownSeconds": 5, "listedAt": "2026-12-05T08:00:00Z"}]
     assert cond(status, "Contended")["reason"] == "Yielding"
     assert cond(status, "Accepted")["status"] == "True"
     assert status["capacity"] == {"nodes": 1, "units": 2}
@@ -235,10 +235,11 @@ def test_scale_out_of_a_serving_model_is_not_a_waiter() -> None:
 def test_an_unchanged_world_gets_the_same_bytes_every_resync() -> None:
     objs = two_idle_and_a_waiter()
     first = pool.sync(request(pool_obj(), *objs), CONFIG)
+    # Within the stall bound (yieldAfter 5 s + STALL_GRACE_SECONDS after the promise): same bytes.
     again = pool.sync(request(pool_obj(status=first["status"]), *objs),
-                      HookConfig(clock=lambda: "2026-12-05T09:00:00Z"))
+                      HookConfig(clock=lambda: "2026-12-05T08:00:30Z"))
     third = pool.sync(request(pool_obj(status=again["status"]), *objs),
-                      HookConfig(clock=lambda: "2026-12-05T10:00:00Z"))
+                      HookConfig(clock=lambda: "2026-12-05T08:01:00Z"))
     assert json.dumps(again, sort_keys=True) == json.dumps(first, sort_keys=True) == json.dumps(third, sort_keys=True)
 
 
@@ -377,8 +378,8 @@ def test_a_victim_whose_scaler_breaks_after_it_was_listed_loses_its_promise_to_a
     objs[4] = broken(objs[4])
     second = run(pool_obj(status=first), *objs)
     assert victims(second) == ["team/b-backend"]
-    message = cond(second, "Contended")["message"]
-    assert "re-planned: team/c-backend-0: team/a will not be scaled in by KEDA (scaler not Ready: ScaledObjectCheckFailed)" in message
+    objs[5] = broken(objs[5])  # b's too: nobody is left, and the message says why
+    assert "team/a (scaler not Ready: ScaledObjectCheckFailed)" in cond(run(pool_obj(status=second), *objs), "Contended")["message"]
     # Paused after it was listed: the same.
     objs = two_idle_and_a_waiter()
     objs[4] = paused(objs[4])
@@ -406,7 +407,6 @@ def test_two_waiters_crossing_nodes_are_both_served_and_no_promise_is_left_on_a_
     assert second["yielding"] == [], "a promise tied to a node with no holder and no room is dropped"
     contended = cond(second, "Contended")
     assert contended["reason"] == "Scheduling" and "team/c-backend-0" in contended["message"]
-    assert "the room team/a freed on n1 was taken by another Pod" in contended["message"]
 
 
 def test_a_victim_is_sized_to_the_need_a_multi_replica_model_counts_every_replica() -> None:
@@ -458,3 +458,34 @@ def test_pools_on_two_node_groups_cooperate_for_a_waiter_that_fits_either() -> N
     objs[5] = scaled("a", "idle")
     assert run(left, *objs, pools=[left, right])["waiting"] == []
     assert victims(run(right, *objs, pools=[left, right])) == ["team/b-backend"]
+
+
+def at(clock: str) -> HookConfig:
+    return HookConfig(clock=lambda: clock)
+
+
+def test_a_victim_keda_does_not_scale_in_when_due_stalls_and_the_waiter_is_served_by_another() -> None:
+    # KEDA's operator is down: a's record stays Active=False/ScalerCooldown, Ready, and it never goes.
+    objs = two_idle_and_a_waiter()
+    first = pool.sync(request(pool_obj(), *objs), CONFIG)["status"]
+    assert victims(first) == ["team/a-backend"]
+    # Due at 08:00:00 (listed then, idle since 07:40 + 5 s): the bound is 60 s past that.
+    assert victims(pool.sync(request(pool_obj(status=first), *objs), at("2026-12-05T08:01:00Z"))["status"]) == ["team/a-backend"]
+    stalled = pool.sync(request(pool_obj(status=first), *objs), at("2026-12-05T08:01:01Z"))
+    status = stalled["status"]
+    assert victims(status) == ["team/b-backend"], "the waiter is placed again, on another idle model"
+    assert status["stalled"] == [{"scaledObject": "team/a-backend", "lastActiveTime": "2026-12-05T07:40:00Z"}]
+    contended = cond(status, "Contended")
+    assert contended["reason"] == "YieldStalled" and "is KEDA's operator running?" in contended["message"]
+    # The record holds (a is no holder) and the answer is the same bytes while nothing changes.
+    again = pool.sync(request(pool_obj(status=status), *objs), at("2026-12-05T08:01:30Z"))
+    assert json.dumps(again, sort_keys=True) == json.dumps(stalled, sort_keys=True)
+    # KEDA is back and a was used: a new lastActiveTime ends the record; a is a holder again.
+    objs[4] = scaled("a", "idle", "2026-12-05T08:02:00Z")
+    back = run(pool_obj(status=again["status"]), *objs)
+    assert "stalled" not in back
+    # A victim whose Pods are terminating is letting go (the preStop drain), never stalled.
+    draining = two_idle_and_a_waiter()
+    draining[1]["metadata"]["deletionTimestamp"] = "2026-12-05T08:00:10Z"
+    late = pool.sync(request(pool_obj(status=first), *draining), at("2026-12-05T08:05:00Z"))["status"]
+    assert victims(late) == ["team/a-backend"] and "stalled" not in late
