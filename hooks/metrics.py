@@ -54,6 +54,9 @@ POOL_SYNC_HOOK = "acceleratorpool_sync"
 # that creates thousands from growing the series without bound. Beyond it a new pool is not
 # tracked (logged once per process); its status still says everything.
 MAX_TRACKED_POOLS = 64
+# Models named on noctaya_pool_model_yields_total, per process: the model label is bounded by the models a
+# cluster runs, and this keeps a churn of thousands of short-lived models from growing it without bound.
+MAX_TRACKED_VICTIMS = 512
 
 # A sync for a big multi-gateway LLMService takes around a millisecond in-process; the buckets
 # resolve that range and still cover a pathological multi-second call under Metacontroller's 10 s
@@ -137,6 +140,15 @@ class HookMetrics:
             ["pool"],
             registry=self.registry,
         )
+        self.pool_model_yields = Counter(
+            "noctaya_pool_model_yields",
+            "Yields started, by the model that yields (victim: namespace/LLMService) and the pool; see "
+            "noctaya_pool_yields_total for its caveat. Each is also logged: 'pool P: V yields N <resource> "
+            "on <node> to W (pod ...)'.",
+            ["pool", "victim"],
+            registry=self.registry,
+        )
+        self._victims: set[tuple[str, str]] = set()
         self._pools: set[str] = set()
         self._untracked_logged: set[str] = set()
         self._pools_lock = threading.Lock()
@@ -191,6 +203,21 @@ class HookMetrics:
         counter = self.pool_yields.labels(pool=pool)
         if started:
             counter.inc(len(started))
+        waiters = {str(w.get("pod")): str(w.get("service")) for w in _entries(after.get("waiting"))}
+        for entry in yielding:
+            if (str(entry.get("scaledObject")), str(entry.get("for"))) in started:
+                self._yield_started(pool, entry, waiters)
+
+    def _yield_started(self, pool: str, entry: Mapping[str, Any], waiters: Mapping[str, str]) -> None:
+        victim, pod = str(entry.get("service")), str(entry.get("for"))
+        logger.info("pool %s: %s yields %s on %s to %s (pod %s)", pool, victim, entry.get("units"), entry.get("node"),
+                    waiters.get(pod, "?"), pod)
+        with self._pools_lock:
+            known = (pool, victim) in self._victims or len(self._victims) < MAX_TRACKED_VICTIMS
+            if known:
+                self._victims.add((pool, victim))
+        if known:
+            self.pool_model_yields.labels(pool=pool, victim=victim).inc()
 
     def observe_pool_sync(self, request: Mapping[str, Any], answer: Mapping[str, Any]) -> None:
         """:meth:`observe_pool` for a pool sync request and its answer; never raises (metrics must

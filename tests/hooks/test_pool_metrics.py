@@ -168,3 +168,29 @@ def test_gunicorn_workers_merge_gauges_by_most_recent_write_and_sum_the_counter(
     assert got["noctaya_pool_yielding"] == 2
     assert got["noctaya_pool_capacity_units"] == 4
     assert got["noctaya_pool_yields_total"] == 2  # A→C in the first process, B→D in the second
+
+
+def test_each_yield_started_names_its_model_on_a_bounded_counter_and_in_the_log(caplog: pytest.LogCaptureFixture,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from hooks import metrics as metrics_module
+
+    metrics = HookMetrics()
+    with caplog.at_level(logging.INFO, logger=metrics_module.logger.name):
+        metrics.observe_pool("gpu", None, status(waiting=1, pairs=(A_FOR_C,)))
+        metrics.observe_pool("gpu", status(waiting=1, pairs=(A_FOR_C,)), status(waiting=1, pairs=(A_FOR_C,)))
+        metrics.observe_pool("gpu", status(waiting=1, pairs=(A_FOR_C,)), status(waiting=2, pairs=(B_FOR_C, B_FOR_D)))
+    got = samples(generate_latest(metrics.registry).decode())
+    by_victim = {dict(labels)["victim"]: value for (name, labels), value in got.items()
+                 if name == "noctaya_pool_model_yields_total"}
+    assert by_victim == {"ml/a": 1, "ml/b": 2}
+    lines = [r.getMessage() for r in caplog.records if "yields" in r.getMessage()]
+    assert lines[0] == "pool gpu: ml/a yields 1 on n1 to ml/c (pod ml/c-backend-0)"
+    assert len(lines) == 3, lines
+    # Bounded: beyond MAX_TRACKED_VICTIMS a new model is counted on the pool's total only.
+    monkeypatch.setattr(metrics_module, "MAX_TRACKED_VICTIMS", 2)
+    metrics.observe_pool("gpu", None, status(waiting=1, pairs=(("ml/z-backend", "ml/c-backend-0"),)))
+    got = samples(generate_latest(metrics.registry).decode())
+    assert not any(dict(labels).get("victim") == "ml/z" for (_name, labels) in got)
+    assert values(metrics, "gpu")["noctaya_pool_yields_total"] == 4
