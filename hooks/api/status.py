@@ -135,6 +135,16 @@ class PendingUpgrade(_StatusModel):
                                "running ones (paths inside the Pod template, at most a few).")
 
 
+class LastYield(_StatusModel):
+    """The last time an AcceleratorPool made this model give its accelerators to another."""
+
+    pool: str = Field(description="The AcceleratorPool that listed this model as yielding.")
+    to: str = Field(description="The waiting model (namespace/LLMService) its accelerators were promised to.")
+    pod: str = Field(description="The waiting backend Pod (namespace/name).")
+    node: str = Field(description="The node where its accelerators were freed.")
+    listed_at: str = Field(default="", description="When the pool listed it (RFC 3339; empty from a pool of an older release).")
+
+
 class LLMServiceStatus(_StatusModel):
     """What Noctaya observed and decided for one LLMService."""
 
@@ -157,6 +167,9 @@ class LLMServiceStatus(_StatusModel):
     )
     pending_upgrade: PendingUpgrade | None = Field(
         default=None, description="Noctaya's own changes waiting to reach this model's running Pods (absent: none).")
+    last_yield: LastYield | None = Field(
+        default=None, description="Why this model went to zero, when a pool made it yield: kept from the moment a pool "
+        "lists it until its backend is next asked for replicas (absent: its last scale-in was its own cooldown).")
     conditions: list[Condition] = Field(
         default_factory=list, description="Current conditions.", json_schema_extra=_CONDITION_LIST
     )

@@ -268,6 +268,25 @@ def _listing(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
+def last_yield(pools: Iterable[Any], namespace: str, scaled_object: str, previous: Any, desired: int | None) -> dict[str, Any] | None:
+    """status.lastYield: the pool entry listing this model as yielding (the first pool by name), else
+    the one recorded before while the backend is still at zero after it (a yield explains the zero
+    until the model is next asked for replicas). Built only from the pools' status and the previous
+    record, so an unchanged world gives the same bytes."""
+    me = f"{namespace}/{scaled_object}"
+    for pool in sorted((p for p in pools if isinstance(p, dict)), key=_name):
+        status = _as_dict(pool.get("status"))
+        service_of = {_text(w.get("pod")): _text(w.get("service")) for w in _as_list(status.get("waiting")) if isinstance(w, dict)}
+        for y in _as_list(status.get("yielding")):
+            if isinstance(y, dict) and y.get("scaledObject") == me and _text(y.get("for")):
+                return {"pool": _name(pool), "to": service_of.get(y["for"]) or y["for"], "pod": y["for"],
+                        "node": _text(y.get("node")), "listedAt": _text(y.get("listedAt"))}
+    record = _as_dict(_as_dict(previous).get("lastYield"))
+    if record and desired == 0 and all(isinstance(record.get(k), str) for k in ("pool", "to", "pod", "node")):
+        return {k: record[k] for k in ("pool", "to", "pod", "node", "listedAt") if isinstance(record.get(k), str)}
+    return None
+
+
 def pool_notes(pools: Iterable[Any], namespace: str, scaled_object: str) -> PoolNotes:
     """Which of this namespace's backend Pods the pools list as waiting (and what they wait on), and which
     waiters this LLMService's ScaledObject (`scaled_object`, its name) yields to. Stable text only: the

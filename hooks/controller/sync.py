@@ -503,6 +503,10 @@ def build_status(parent: dict[str, Any], out: Outcome, observed: obs.Observed, c
                                      config.clock, out.cold_start))
     if out.pending_upgrade is not None:
         status["pendingUpgrade"] = out.pending_upgrade
+    record = st.last_yield(observed.related_objects(st.POOL_GROUP), namespace, names.scaled_object(name),
+                           parent.get("status"), None if deployment is None else desired)
+    if record is not None:
+        status["lastYield"] = record
     status["conditions"] = st.wire_conditions(out.conditions.values(), parent.get("status"), generation, config.clock)
     return status
 

@@ -385,3 +385,22 @@ def test_a_ghost_replica_gets_a_short_cooldown_and_nothing_else_does(backend: tu
     assert dump(autoscaling.sync(h.decorator_request(svc, attachments=observed), h.config())) == dump(answer)
     never = _with_status(h.llmservice(scaling={"yieldPolicy": "Never"}), backend)
     assert cooldowns(autoscaling.sync(h.decorator_request(never, attachments=observed), h.config()))[0] == expected
+
+
+def test_a_yield_is_recorded_on_the_victim_until_its_next_activation() -> None:
+    waiting = [{"pod": "team/c-backend-0", "service": "team/c", "need": 1}]
+    listed = {**entry(ME, waiter="team/c-backend-0", service="models/qwen"), "listedAt": "2026-12-05T08:00:00Z"}
+    pools = [pool_obj("gpus", waiting=waiting, yielding=[listed])]
+    record = {"pool": "gpus", "to": "team/c", "pod": "team/c-backend-0", "node": "n1", "listedAt": "2026-12-05T08:00:00Z"}
+    yielding = _sync(pools, [h.pod("qwen-backend-z", ready=True)], ready=1)
+    assert yielding["status"]["lastYield"] == record
+    # Scaled in; the waiter bound, so the pool's entry is gone: the record stays while the model is at zero.
+    after = _sync([pool_obj("gpus")], [], status=yielding["status"], replicas=0)
+    assert after["status"]["lastYield"] == record
+    again = _sync([pool_obj("gpus")], [], status=after["status"], replicas=0)
+    assert dump(again) == dump(after)
+    # Next activation (KEDA asks for a replica): a new story begins.
+    woken = _sync([pool_obj("gpus")], [h.pod("qwen-backend-y", scheduled=False)], status=after["status"], replicas=1)
+    assert "lastYield" not in woken["status"]
+    # A model no pool ever listed has no record.
+    assert "lastYield" not in _sync([pool_obj("gpus")], [], replicas=0)["status"]
