@@ -91,13 +91,20 @@ def _credentials(ctx: RenderContext) -> list[dict[str, Any]]:
 
 
 def _placement(ctx: RenderContext) -> dict[str, Any]:
-    """The backend's node constraints, where the cache is one node's (else anywhere)."""
+    """Where the cache is one node's: only nodes the backend can use (else anywhere). The backend's
+    selector and tolerations; and since the Job requests no accelerator, which alone keeps the backend
+    off nodes without one, the vendor's node labels (a runtime that tolerates the GPU taint but names
+    no selector would otherwise let the Job, and with it the weights and the backend pinned to them,
+    land on a CPU node)."""
     if ctx.service.spec.cache.strategy not in ("NodeLocalPVC", "HostPath"):
         return {}
     place = vendors.placement(ctx.runtime.spec.accelerator, ctx.service.spec.resources.accelerators)
     out: dict[str, Any] = {}
     if place.node_selector:
         out["nodeSelector"] = dict(sorted(place.node_selector.items()))
+    if place.node_affinity_terms:
+        out["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": place.node_affinity_terms}}}
     if place.tolerations:
         out["tolerations"] = place.tolerations
     return out
@@ -168,8 +175,11 @@ def job(ctx: RenderContext, cache_volume: dict[str, Any]) -> dict[str, Any]:
         "activeDeadlineSeconds": ACTIVE_DEADLINE_SECONDS,
         "template": {"metadata": {"labels": labels.labels(ctx.name, labels.PREWARM)}, "spec": pod_spec},
     }
-    # The hash covers what the Job does and where, not the image: a Noctaya upgrade is no conflict.
-    hashed = {**spec, "template": {**spec["template"], "spec": {**pod_spec, "containers": [
+    # The hash covers what the Job does and where, not the image: a Noctaya upgrade is no conflict. Nor
+    # the vendor's node labels (derived, not the user's; added in 0.2.0): a Job an older release created
+    # without them is no conflict either.
+    hashed_pod = {k: v for k, v in pod_spec.items() if k != "affinity"}
+    hashed = {**spec, "template": {**spec["template"], "spec": {**hashed_pod, "containers": [
         {k: v for k, v in container.items() if k not in ("image", "imagePullPolicy")}]}}}
     meta = ctx.metadata(job_name(ctx), labels.PREWARM, {SPEC_HASH: spec_hash(hashed)})
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": spec}

@@ -3,7 +3,7 @@ added to `hooks.api.runtime.Vendor`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hooks.api.runtime import Accelerator
@@ -22,6 +22,9 @@ class Placement:
     tolerations: list[dict[str, Any]]
     env: list[dict[str, str]]
     runtime_class_name: str | None
+    # Where a Pod that requests no device must go to land where one that does can (empty: anywhere the
+    # selector and tolerations allow): the vendor's node labels, unless the runtime names its own selector.
+    node_affinity_terms: list[dict[str, Any]] = field(default_factory=list)
 
 
 def placement(accelerator: Accelerator, count: int) -> Placement:
@@ -41,4 +44,5 @@ def placement(accelerator: Accelerator, count: int) -> Placement:
         tolerations=tolerations,
         env=[{"name": k, "value": v} for k, v in adapter.env],
         runtime_class_name=accelerator.runtime_class_name,
+        node_affinity_terms=adapter.node_affinity_terms() if uses_device and not accelerator.node_selector else [],
     )

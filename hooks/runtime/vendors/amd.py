@@ -8,4 +8,7 @@ docker examples add SYS_PTRACE and an unconfined seccomp profile for profiling a
 
 from hooks.runtime.vendors.base import VendorAdapter
 
-ADAPTER = VendorAdapter(vendor="amd", resource_name="amd.com/gpu", taint_key="amd.com/gpu")
+# Node Feature Discovery's PCI vendor 1002 (AMD/ATI), and the AMD GPU Operator's node labeller.
+NODE_LABELS = (("feature.node.kubernetes.io/pci-1002.present", "true"), ("amd.com/gpu.family", None))
+
+ADAPTER = VendorAdapter(vendor="amd", resource_name="amd.com/gpu", taint_key="amd.com/gpu", node_labels=NODE_LABELS)
