@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -29,6 +30,9 @@ from tests.e2e.cluster import (
 )
 from tests.kube.apiserver import ControlPlane, KubeUnavailable, ensure_binaries
 from tests.kube.gobuild import kwok_binary
+
+if TYPE_CHECKING:
+    from tests.e2e.pool_world import World
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -109,3 +113,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if line is not None and report.when == "call" and report.failed:
         report.sections.append(("timeline", line.text()))
     return report
+
+
+@pytest.fixture
+def world(cluster: Cluster, timeline: Timeline, request: pytest.FixtureRequest) -> Iterator[Callable[[str], World]]:
+    """The accelerator-pool modules' worlds (tests/e2e/pool_world.py), each test's cleaned up after it;
+    KEDA's operator is started once (test_scale_from_zero's ``keda`` fixture, which the module imports)."""
+    from tests.e2e.pool_world import World  # the harness imports the suite's modules: only when used
+
+    request.getfixturevalue("keda")
+    made: list[World] = []
+
+    def make(key: str) -> World:
+        w = World(cluster, timeline, key)
+        made.append(w)
+        return w
+
+    yield make
+    for w in made:
+        w.cleanup()
