@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.e2e.cluster import Cluster, Timeline
 from tests.e2e.test_lifecycle import RUNTIME, conditions
@@ -269,3 +271,57 @@ def test_node_local_weights_pin_the_backend_to_their_node_and_a_lost_node_is_nam
             if node not in deleted:
                 cluster.kubectl("delete", "node", node, "--ignore-not-found", check=False)
         cluster.kubectl("delete", "inferenceruntime", "e2e-gpu", "--ignore-not-found", check=False)
+
+
+SHIPPED_RUNTIMES = Path(__file__).resolve().parents[2] / "examples" / "runtimes"
+SPREAD_NS = "e2e-job-placement"
+SPREAD_GPU_NODES = ("e2e-spread-gpu-a", "e2e-spread-gpu-b")
+SPREAD_CPU_NODE = "e2e-spread-cpu"
+
+
+def test_a_node_local_prewarm_job_of_a_shipped_tolerations_only_runtime_lands_only_on_gpu_nodes(
+        cluster: Cluster, timeline: Timeline) -> None:
+    """The shipped vllm-nvidia runtime tolerates the GPU taint and names no node selector: only the
+    backend's GPU request keeps its Pods off CPU nodes, and the prewarm Job requests none. Two GPU nodes
+    (labelled nvidia.com/gpu.present=true by NVIDIA's GPU feature discovery, tainted nvidia.com/gpu) and
+    a CPU node (untainted, and the suite's kwok node besides): every Job of four node-local models,
+    scheduled by the real kube-scheduler, runs on a GPU node (without the vendor's node labels the
+    scheduler placed Jobs on the untainted nodes), and each backend follows its weights there."""
+    cluster.install_keda_crds()
+    taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+    for node in SPREAD_GPU_NODES:
+        cluster.add_node(node, gpus=4, labels={"nvidia.com/gpu.present": "true"}, taints=taint)
+    cluster.add_node(SPREAD_CPU_NODE)
+    if cluster.get("namespace", SPREAD_NS) is None:
+        cluster.kubectl("create", "namespace", SPREAD_NS)
+    runtime = yaml.safe_load((SHIPPED_RUNTIMES / "vllm-nvidia.yaml").read_text())
+    assert "nodeSelector" not in runtime["spec"]["accelerator"], "the shipped runtime is tolerations-only no more"
+    cluster.kubectl("apply", "--server-side", "-f", str(SHIPPED_RUNTIMES / "vllm-nvidia.yaml"))
+    names = [f"spread-{i}" for i in range(4)]
+    try:
+        for name in names:
+            cluster.kubectl("apply", "--server-side", "-f", "-", stdin=GPU_SERVICE.replace(
+                f"name: {GPU_NAME}", f"name: {name}").replace(f"namespace: {GPU_NS}", f"namespace: {SPREAD_NS}").replace(
+                "name: e2e-gpu", f"name: {runtime['metadata']['name']}"))
+
+        def placed() -> dict[str, str | None]:
+            out = {}
+            for job in json.loads(cluster.kubectl("-n", SPREAD_NS, "get", "jobs", "-o", "json").stdout)["items"]:
+                owner = job["metadata"]["labels"].get("serving.noctaya.io/llmservice")
+                out[owner] = job_pod_node(cluster, job["metadata"]["name"], SPREAD_NS)
+            return out
+
+        timeline.wait("every model's prewarm Job succeeded", lambda: len(placed()) == len(names) and all(placed().values()),
+                      lambda: str(placed()), 120, lambda: [("metacontroller", cluster.log_tail("metacontroller", 15))])
+        where = placed()
+        timeline.note(f"prewarm Jobs ran on: {where}")
+        assert set(where.values()) <= set(SPREAD_GPU_NODES), f"a Job ran where no backend can: {where}"
+        for name in names:
+            timeline.wait(f"{name}: the backend pinned to its weights' node", lambda n=name: pin_of(
+                cluster.get("deployment", f"{n}-backend", SPREAD_NS)) == [where[n]], lambda: str(where), 60)
+        print(f"\nnode-local prewarm Jobs of the shipped vllm-nvidia runtime (2 GPU nodes, 1 CPU node): {sorted(where.values())}")
+    finally:
+        cluster.kubectl("delete", "namespace", SPREAD_NS, "--wait=true", "--timeout=90s", check=False)
+        for node in (*SPREAD_GPU_NODES, SPREAD_CPU_NODE):
+            cluster.kubectl("delete", "node", node, "--ignore-not-found", check=False)
+        cluster.kubectl("delete", "inferenceruntime", runtime["metadata"]["name"], "--ignore-not-found", check=False)
