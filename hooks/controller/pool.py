@@ -87,6 +87,8 @@ class PoolView:
     selector: dict[str, str]
     nodes: tuple[Node, ...]
     promises: tuple[Promise, ...] = ()  # what its status promised last
+    stalled: tuple[tuple[str, str], ...] = ()  # its status.stalled: (ScaledObject, lastActiveTime)
+    yield_after: float = 0.0
 
     def can_serve(self, pod: Pod) -> bool:
         return any(pod.can_use(n) for n in self.nodes)
@@ -105,8 +107,13 @@ def _pool_view(obj: dict[str, Any], node_objs: list[dict[str, Any]]) -> PoolView
         node = read_node(raw, resource)
         if node is not None and node.units > 0 and all(node.labels.get(k) == v for k, v in selector.items()):
             nodes.append(node)
+    try:
+        yield_after = duration_seconds(spec.get("yieldAfter") or "60s")
+    except (TypeError, ValueError):
+        yield_after = 0.0
     return PoolView(name=str(meta.get("name", "")), resource=resource, created=str(meta.get("creationTimestamp", "")),
-                    selector=selector, nodes=tuple(nodes), promises=tuple(_previous_promises(obj.get("status"))))
+                    selector=selector, nodes=tuple(nodes), promises=tuple(_previous_promises(obj.get("status"))),
+                    stalled=tuple(sorted(_previous_stalled(obj.get("status")).items())), yield_after=yield_after)
 
 
 def _overlap(me: PoolView, others: Iterable[PoolView]) -> tuple[PoolView, str] | None:
@@ -208,10 +215,11 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
     pods = [p for p in (read_pod(o, spec.resource_name) for o in _sorted_related(observed, obs.POD)) if p is not None]
     models = [m for m in (read_model(o) for o in _sorted_related(observed, obs.SCALED_OBJECT)) if m is not None]
     peers = [o for o in others if o.resource == me.resource and _overlap(o, [me, *others]) is None]
-    handles = assign_waiters(me, peers, pods, models)
+    now = cfg.clock()
+    handles = assign_waiters(me, peers, pods, models, now)
     cooldown = int(duration_seconds(spec.yield_after))
-    decision = decide(me.resource, me.nodes, handles, pods, models, list(me.promises), now=cfg.clock(),
-                      yield_after=cooldown, stalled=_previous_stalled(previous_status))
+    decision = decide(me.resource, me.nodes, handles, pods, models, list(me.promises), now=now,
+                      yield_after=cooldown, stalled=dict(me.stalled))
     status["waiting"] = [{"pod": w.key, "service": w.service, "need": w.units} for w in decision.waiting]
     status["yielding"] = [wire_promise(p, cooldown) for p in sorted(decision.promises, key=lambda p: (p.waiter, p.scaled_object))]
     if decision.stalled:  # only while one stands: a pool that never stalled writes no such field
@@ -221,7 +229,7 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
                    _contended(decision, spec.resource_name)], resync_after(decision, pods, handles))
 
 
-def assign_waiters(me: PoolView, peers: list[PoolView], pods: list[Pod], models: list[Model]) -> set[str]:
+def assign_waiters(me: PoolView, peers: list[PoolView], pods: list[Pod], models: list[Model], now: str = "") -> set[str]:
     """The Pending Pods this pool answers for, when several pools of one resource (node groups) could.
 
     Every pool runs the same cascade over the pools in name order, so all agree without talking: each
@@ -237,7 +245,8 @@ def assign_waiters(me: PoolView, peers: list[PoolView], pods: list[Pod], models:
     owner: dict[str, str] = {}
     for view in everyone:
         candidates = {p.key for p in pods if p.key in open_keys and view.can_serve(p)}
-        decision = decide(view.resource, view.nodes, candidates, pods, models, list(view.promises))
+        decision = decide(view.resource, view.nodes, candidates, pods, models, list(view.promises), now=now,
+                          yield_after=view.yield_after, stalled=dict(view.stalled))
         for helped in {pr.waiter for pr in decision.promises} | set(decision.scheduling):
             owner.setdefault(helped, view.name)
             open_keys.discard(helped)
