@@ -27,6 +27,19 @@ ROUTE_GRACE_SECONDS = 90
 _PROCESS_TOKEN_KEY = secrets.token_bytes(32)
 
 
+def parse_rfc3339(value: object) -> datetime | None:
+    """A Kubernetes timestamp (RFC 3339, as metav1.Time writes it) as an aware datetime; None for
+    anything else. A stamp without an offset is read as UTC: a hand-written status or annotation must
+    not make an aware clock minus a naive stamp raise inside a hook."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
 def utc_now_rfc3339() -> str:
     """Current time as RFC 3339 in UTC with second precision (metav1.Time's wire format)."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

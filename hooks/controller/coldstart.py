@@ -55,6 +55,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from hooks.api.status import BackendPhase, ColdStart
+from hooks.config import parse_rfc3339
 from hooks.resources.prewarm import WAIT_CONTAINER
 from hooks.runtime.pod import CONTAINER_NAME
 
@@ -80,15 +81,6 @@ class PodPhase:
     phase: Phase
     since: str | None  # RFC 3339, as the Pod carries it
     pod: str
-
-
-def _time(value: Any) -> datetime | None:
-    if not isinstance(value, str) or not value:
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
 
 
 def _conditions(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -128,8 +120,8 @@ def pod_phase(pod: dict[str, Any]) -> PodPhase:
     if isinstance(running, str) and running:
         # Ready went False after the container started: it served and lost readiness (an overloaded
         # engine, a failing probe). A fresh or restarted container started after Ready last changed.
-        unready_at = _time((conds.get("Ready") or {}).get("lastTransitionTime"))
-        started = _time(running)
+        unready_at = parse_rfc3339((conds.get("Ready") or {}).get("lastTransitionTime"))
+        started = parse_rfc3339(running)
         if unready_at is not None and started is not None and unready_at > started:
             return PodPhase(Phase.NOT_READY, conds["Ready"]["lastTransitionTime"], name)
         return PodPhase(Phase.LOADING_MODEL, running, name)
@@ -163,7 +155,7 @@ def _unready_since(pods: list[dict[str, Any]]) -> str | None:
     """When the last of these (not Ready) Pods changed readiness: for the replica that served, when
     it lost readiness."""
     times = [(t, c["lastTransitionTime"]) for c in (_conditions(p).get("Ready") for p in pods)
-             if c is not None and (t := _time(c.get("lastTransitionTime"))) is not None]
+             if c is not None and (t := parse_rfc3339(c.get("lastTransitionTime"))) is not None]
     return max(times)[1] if times else None
 
 
@@ -182,17 +174,17 @@ def service_phase(desired_replicas: int | None, pods: Iterable[dict[str, Any]], 
     phases = [pod_phase(p) for p in live]
     ready = [p for p in phases if p.phase == Phase.READY]
     if ready:
-        return min(ready, key=lambda p: (_time(p.since) or _NEVER, p.pod))
+        return min(ready, key=lambda p: (parse_rfc3339(p.since) or _NEVER, p.pod))
     if not phases and (desired_replicas == 0 or not warm):
         return PodPhase(Phase.SCALED_TO_ZERO if desired_replicas == 0 else Phase.SCHEDULING, None, "")
     if warm:
         return PodPhase(Phase.NOT_READY, _unready_since(live), "")
     # Most advanced first; between equals the one that got there first (then by name): stable.
-    return min(phases, key=lambda p: (-_PROGRESS.index(p.phase), _time(p.since) or _NEVER, p.pod))
+    return min(phases, key=lambda p: (-_PROGRESS.index(p.phase), parse_rfc3339(p.since) or _NEVER, p.pod))
 
 
 def seconds(start: Any, end: Any) -> int | None:
-    a, b = _time(start), _time(end)
+    a, b = parse_rfc3339(start), parse_rfc3339(end)
     if a is None or b is None:
         return None
     return max(0, round((b - a).total_seconds()))  # clocks of different components: never negative
@@ -224,7 +216,7 @@ def cold_start(pod: dict[str, Any]) -> dict[str, Any] | None:
     # image was pulled before its first run, the Pod shows the one before the current (the first
     # when it restarted once). The time from there on is loading, retries included.
     before = ((engine.get("lastState") or {}).get("terminated") or {}).get("startedAt")
-    first, current = _time(before), _time(started)
+    first, current = parse_rfc3339(before), parse_rfc3339(started)
     if first is not None and current is not None and first < current:
         started = before
     total = seconds(created, ready)

@@ -17,11 +17,10 @@ so later: nothing the gateway still routes there finds the backend gone.
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Any
 
 from hooks.api.status import ConditionType, Reason
-from hooks.config import HookConfig, resolve
+from hooks.config import HookConfig, parse_rfc3339, resolve
 from hooks.controller import observe as obs
 from hooks.controller import status as st
 from hooks.resources import labels, names
@@ -61,11 +60,8 @@ def _shared_gateway_routes(parent: dict[str, Any], observed: obs.Observed) -> st
 
 
 def _seconds_since(stamp: Any, now: str) -> float | None:
-    try:
-        then = _dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
-        return (_dt.datetime.fromisoformat(now.replace("Z", "+00:00")) - then).total_seconds()
-    except ValueError:
-        return None
+    then, current = parse_rfc3339(stamp), parse_rfc3339(now)
+    return None if then is None or current is None else (current - then).total_seconds()
 
 
 def route_grace_left(parent: dict[str, Any], cfg: HookConfig) -> float:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import timedelta
 from enum import StrEnum
 
+from hooks.config import parse_rfc3339
 from hooks.controller.pool_facts import Model, Node, Pod
 
 # How long past the moment a victim became due (listed, idle for yieldAfter) KEDA may take to scale it
@@ -104,13 +105,6 @@ def read_facts(resource: str, nodes: tuple[Node, ...], pods: list[Pod], models: 
     )
 
 
-def _time(value: str) -> datetime | None:
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
-    except ValueError:
-        return None
-
-
 # --- 1 and 2: who waits ---------------------------------------------------------------------------
 
 
@@ -185,7 +179,7 @@ def yield_stalled(promise: Promise, facts: Facts) -> tuple[Verdict, str] | None:
     model = facts.models.get(promise.scaled_object)
     if model is None or facts.held_by(promise.service, promise.node) == 0 or facts.letting_go(promise.service, promise.node):
         return None
-    now, listed, last = _time(facts.now), _time(promise.listed_at), _time(model.last_active)
+    now, listed, last = parse_rfc3339(facts.now), parse_rfc3339(promise.listed_at), parse_rfc3339(model.last_active)
     if now is None or last is None:
         return None
     due = max(listed or last, last + timedelta(seconds=facts.yield_after))

@@ -36,6 +36,7 @@ from typing import Any
 
 from hooks.api.status import ConditionType, Reason
 from hooks.api.upgrades import Upgrades
+from hooks.config import parse_rfc3339
 from hooks.controller import observe as obs
 from hooks.controller import status as st
 from hooks.resources import labels
@@ -265,7 +266,10 @@ def candidates_of(children: list[dict[str, Any]], observed: obs.Observed, compon
 
 def parse_clock(value: str) -> _dt.datetime:
     """The hook config's clock (RFC 3339, UTC) as an aware datetime."""
-    return _dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    parsed = parse_rfc3339(value)
+    if parsed is None:
+        raise ValueError(f"the hook clock is not RFC 3339: {value!r}")
+    return parsed
 
 
 def spec_seen(parent: dict[str, Any]) -> bool:

@@ -39,3 +39,27 @@ def test_from_env_rejects_bad_values(tmp_path: Path) -> None:
 
 def test_clock_format() -> None:
     assert utc_now_rfc3339().endswith("Z")
+
+
+def test_kubernetes_timestamps_parse_to_aware_datetimes_and_anything_else_to_none() -> None:
+    from datetime import UTC, datetime
+
+    from hooks.config import parse_rfc3339
+
+    assert parse_rfc3339("2026-12-07T10:00:00Z") == datetime(2026, 12, 7, 10, tzinfo=UTC)
+    assert parse_rfc3339("2026-12-07T11:00:00+01:00") == datetime(2026, 12, 7, 10, tzinfo=UTC)
+    # No offset (a hand-written status): read as UTC, never a naive datetime an aware clock cannot subtract.
+    assert parse_rfc3339("2026-12-07T10:00:00") == datetime(2026, 12, 7, 10, tzinfo=UTC)
+    for bad in ("", "yesterday", None, 12, ["2026-12-07T10:00:00Z"]):
+        assert parse_rfc3339(bad) is None
+
+
+def test_a_routed_condition_stamped_without_an_offset_counts_its_grace_instead_of_failing_the_hook() -> None:
+    from hooks.config import HookConfig
+    from hooks.controller.finalize import route_grace_left
+
+    cfg = HookConfig(clock=lambda: "2026-12-07T10:00:30Z", route_grace_seconds=90)
+    parent = {"status": {"conditions": [{"type": "Routed", "status": "False", "lastTransitionTime": "2026-12-07T10:00:00"}]}}
+    assert route_grace_left(parent, cfg) == 60.0
+    parent["status"]["conditions"][0]["lastTransitionTime"] = "not a time"
+    assert route_grace_left(parent, cfg) == 90.0
