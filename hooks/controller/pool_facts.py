@@ -192,6 +192,14 @@ PAUSE_ANNOTATIONS = {"autoscaling.keda.sh/paused": "true", "autoscaling.keda.sh/
                      "autoscaling.keda.sh/paused-replicas": None}  # None: any value pauses
 
 
+# Ready=False reasons under which KEDA's operator still scales an inactive target to zero: KEDA copies
+# the HPA's health there (checkHPAHealth in pkg/scaling/executor/scale_scaledobjects.go, v2.20), e.g.
+# while the HPA cannot read KEDA's metrics adapter, but its own scale loop does the scale-in. Seen on
+# the real control plane: every idle holder reads Ready=False/HPAMetricsUnavailable there, and
+# treating it as stuck left a waiter beside an idle model. A broken scaler reads TriggerError.
+READY_REASONS_THAT_SCALE_IN = frozenset({"HPAMetricsUnavailable"})
+
+
 def _stuck(obj: dict[str, Any]) -> str:
     """Why KEDA will not scale this model in, by its own record ("" when nothing stops it)."""
     annotations = _str_map(_dict(obj.get("metadata")).get("annotations"))
@@ -201,7 +209,7 @@ def _stuck(obj: dict[str, Any]) -> str:
     if condition(obj, "Paused").get("status") == "True":
         return "paused"
     ready = condition(obj, "Ready")
-    if ready.get("status") != "True":
+    if ready.get("status") != "True" and ready.get("reason") not in READY_REASONS_THAT_SCALE_IN:
         return f"scaler not Ready: {ready.get('reason') or 'no Ready condition'}"
     return ""
 

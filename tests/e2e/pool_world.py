@@ -188,7 +188,8 @@ class PoolState:
     raw: str = field(default="", compare=False, repr=False)
 
     def short(self) -> str:
-        return f"Contended={self.contended} waiting={list(self.waiting)} yielding={list(self.yielding)}"
+        return (f"Contended={self.contended} waiting={list(self.waiting)} yielding={list(self.yielding)} "
+                f"({self.message[:240]})")
 
 
 @dataclass

@@ -318,7 +318,8 @@ def test_a_node_local_prewarm_job_of_a_shipped_tolerations_only_runtime_lands_on
         assert set(where.values()) <= set(SPREAD_GPU_NODES), f"a Job ran where no backend can: {where}"
         for name in names:
             timeline.wait(f"{name}: the backend pinned to its weights' node", lambda n=name: pin_of(
-                cluster.get("deployment", f"{n}-backend", SPREAD_NS)) == [where[n]], lambda: str(where), 60)
+                cluster.get("deployment", f"{n}-backend", SPREAD_NS)) == [where[n]], lambda: str(where), 60,
+                lambda: [("metacontroller", cluster.log_tail("metacontroller", 15))])
         print(f"\nnode-local prewarm Jobs of the shipped vllm-nvidia runtime (2 GPU nodes, 1 CPU node): {sorted(where.values())}")
     finally:
         cluster.kubectl("delete", "namespace", SPREAD_NS, "--wait=true", "--timeout=90s", check=False)

@@ -72,7 +72,9 @@ def llmservice(name: str, namespace: str, endpoint: dict[str, Any] | None = None
             **spec,
         },
     }
-    return yaml.safe_dump(doc)
+    # JSON, which kubectl reads as YAML too: PyYAML writes a name such as `y` bare, and kubectl's YAML 1.1
+    # reads that as a boolean ("cannot unmarshal bool into ... metadata.name").
+    return json.dumps(doc)
 
 
 class Model:

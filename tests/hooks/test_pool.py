@@ -352,9 +352,9 @@ def paused(obj: dict[str, Any], how: str = "annotation") -> dict[str, Any]:
 
 
 def broken(obj: dict[str, Any]) -> dict[str, Any]:
-    """What KEDA writes when the scaler stops answering: Ready=False, Active=False/ScalerNotActive; its
-    lastActiveTime stays as it was."""
-    obj["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": "ScaledObjectCheckFailed"},
+    """What KEDA writes when the scaler stops answering (RequestScale, v2.20): Ready=False/TriggerError,
+    Active=False/ScalerNotActive; its lastActiveTime stays as it was."""
+    obj["status"]["conditions"] = [{"type": "Ready", "status": "False", "reason": "TriggerError"},
                                    {"type": "Active", "status": "False", "reason": "ScalerNotActive"}]
     return obj
 
@@ -379,11 +379,30 @@ def test_a_victim_whose_scaler_breaks_after_it_was_listed_loses_its_promise_to_a
     second = run(pool_obj(status=first), *objs)
     assert victims(second) == ["team/b-backend"]
     objs[5] = broken(objs[5])  # b's too: nobody is left, and the message says why
-    assert "team/a (scaler not Ready: ScaledObjectCheckFailed)" in cond(run(pool_obj(status=second), *objs), "Contended")["message"]
+    assert "team/a (scaler not Ready: TriggerError)" in cond(run(pool_obj(status=second), *objs), "Contended")["message"]
     # Paused after it was listed: the same.
     objs = two_idle_and_a_waiter()
     objs[4] = paused(objs[4])
     assert victims(run(pool_obj(status=first), *objs)) == ["team/b-backend"]
+
+
+def test_an_idle_holder_whose_hpa_cannot_read_metrics_is_still_a_holder_and_keeps_its_promise() -> None:
+    """KEDA reports the HPA's health in Ready (HPAMetricsUnavailable) but scales an inactive target to
+    zero itself: such a holder is a victim like any idle one, and a listed one stays listed."""
+    def hpa_unhealthy(obj: dict[str, Any]) -> dict[str, Any]:
+        for c in obj["status"]["conditions"]:
+            if c["type"] == "Ready":
+                c.update(status="False", reason="HPAMetricsUnavailable")
+        return obj
+
+    objs = two_idle_and_a_waiter()
+    objs[4] = hpa_unhealthy(objs[4])
+    first = run(pool_obj(), *objs)
+    assert victims(first) == ["team/a-backend"]
+    assert victims(run(pool_obj(status=first), *objs)) == ["team/a-backend"]
+    for reason in ("TriggerError", "ScalingDegraded", "ErrorGettingCurrentReplicas"):
+        objs[4]["status"]["conditions"][0]["reason"] = reason
+        assert victims(run(pool_obj(status=first), *objs)) == ["team/b-backend"], reason
 
 
 def test_a_victim_keda_just_scaled_in_keeps_its_promise_while_its_pod_terminates() -> None:
