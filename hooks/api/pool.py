@@ -71,8 +71,8 @@ class Yield(_StatusModel):
     node: str = Field(description="The node where the victim's units are freed.")
     units: int = Field(description="Units the victim frees on that node.")
     cooldown_seconds: int = Field(description="The cooldownPeriod the victim's ScaledObject gets while listed (yieldAfter).")
-    listed_at: str = Field(
-        default="",
+    listed_at: str | None = Field(
+        default=None,  # no schema default: a field added since 0.1.0 (tests/hooks/test_upgrade_compat.py)
         description="When the pool made this promise (RFC 3339). A victim still not scaled in 60 s after it became due "
         "(listedAt, and idle for yieldAfter) is recorded in status.stalled and its waiter placed again.",
     )
