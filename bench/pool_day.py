@@ -6,7 +6,8 @@ The cluster is the e2e harness's, built the same way as tests/e2e/conftest.py's 
 Noctaya installed from metacontroller/, the real hook server, real Metacontroller, real KEDA's
 operator). Each model is an LLMService whose gateway runs from the rendered Deployment (LocalPods)
 and whose backend is the suite's ModelServer stand-in: it listens exactly while kwok reports a Ready
-backend Pod. One poller lists the configuration's backend Pods every 0.1 s for all twelve models
+backend Pod, and when that Pod goes it answers what it has in flight first, as the Pod's preStop drain
+would (kwok runs no preStop hook). One poller lists the configuration's backend Pods every 0.1 s for all twelve models
 (instead of one thread per model) and drives their servers, so twelve models cost the API server
 10 lists/s, not 120.
 
@@ -265,6 +266,7 @@ class Result:
     yields: int = 0
     max_lag: float = 0.0
     poll_errors: int = 0
+    drains: list[float] = field(default_factory=list)  # seconds each scaled-in backend answered in-flight requests
     wall: float = 0.0
 
     @property
@@ -295,6 +297,11 @@ class Poller:
         self._integrating = False
         self.gpu_seconds = 0.0
         self._last: float | None = None
+        from tests.e2e.pods import DRAIN_GRACE_SECONDS
+
+        self.drain_grace = DRAIN_GRACE_SECONDS
+        self._drains: dict[str, threading.Thread] = {}
+        self.drained: list[float] = []  # each drain's seconds, as it ends
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"poller-{namespace}", daemon=True)
 
@@ -351,14 +358,25 @@ class Poller:
             self.held = held
             self.lists += 1
             for name, up in ready.items():
-                backend = self.models[name].server.backend
-                if up and not backend.running:
-                    backend.start()
-                elif not up and backend.running:
-                    backend.stop()
+                self._follow(name, up)
                 self.ready[name] = up
             self._stop.wait(POLL_SECONDS)
         session.close()
+
+    def _follow(self, name: str, up: bool) -> None:
+        """Start the model's server when its Pod is Ready; when it no longer is, drain it as the Pod's
+        preStop hook would (tests/e2e/pods.py ModelServer): the listener closes, the requests in flight are
+        answered. Drains run beside the poller, which serves eleven other models meanwhile."""
+        backend = self.models[name].server.backend
+        drain = self._drains.get(name)
+        if drain is not None and drain.is_alive():
+            return  # up again once the drain has ended, at the next list
+        if up and not backend.running:
+            backend.start()
+        elif not up and backend.running:
+            self._drains[name] = thread = threading.Thread(
+                target=lambda: self.drained.append(backend.drain(self.drain_grace)), name=f"drain-{name}", daemon=True)
+            thread.start()
 
     def _read_pool(self, session: Any, url: str, verify: str) -> None:
         import requests
@@ -382,6 +400,8 @@ class Poller:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(10)
+        for drain in self._drains.values():
+            drain.join(self.drain_grace + 5)
 
 
 def ask(url: str, model: str, out: Outcome) -> None:
@@ -536,6 +556,7 @@ def run_config(cluster: Any, config: Config, arrivals: list[Arrival], length: fl
             print(f"[{config.key}] day replayed; waiting for the last requests", file=log, flush=True)
         result.gpu_seconds = poller.gpu_seconds
         result.poll_errors = poller.errors
+        result.drains = poller.drained
         result.pods_started = len(poller.pods_seen) - pods_before
         result.requests = len(outcomes)
         for o in outcomes:
@@ -625,7 +646,9 @@ def report(results: list[Result], length: float) -> str:
                     f"TTFT p99 {_ratio(p99c or 0.0, p99o or 0.0)}")
     for r in results:
         notes.append(f"{r.config.key}: replay {r.replay_seconds:.0f} s, wall {r.wall:.0f} s with set-up and tear-down; "
-                     f"client start lag max {r.max_lag:.2f} s; Pod poller errors {r.poll_errors}")
+                     f"client start lag max {r.max_lag:.2f} s; Pod poller errors {r.poll_errors}; "
+                     f"backends drained {len(r.drains)}, {sum(d > 0.1 for d in r.drains)} of them answering "
+                     f"requests in flight (longest {max(r.drains, default=0):.2f} s)")
         if r.timeouts_by_model:
             notes.append("  activation_timeout per model: "
                          + " ".join(f"{m}={n}" for m, n in sorted(r.timeouts_by_model.items())))

@@ -47,24 +47,25 @@ def worker_slice() -> range:
     return range(start + index * width, start + (index + 1) * width)
 
 
-def _candidates() -> Iterator[int]:
-    ports = worker_slice()
+def _candidates(ports: range) -> Iterator[int]:
     # A random start keeps two pytest processes outside xdist (the e2e suite's two) apart.
-    first = random.randrange(len(ports))
+    first = random.randrange(len(ports)) if ports else 0
     return itertools.cycle([*ports[first:], *ports[:first]])
 
 
 _lock = threading.Lock()
+_slice: range | None = None  # read once: /proc and the environment do not change under a process
 _next: Iterator[int] | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` nobody holds now, not handed out before by this process (until it wraps)."""
-    global _next
+    global _next, _slice
     with _lock:
-        if _next is None:
-            _next = _candidates()
-        for _ in range(len(worker_slice())):
+        if _slice is None or _next is None:
+            _slice = worker_slice()
+            _next = _candidates(_slice)
+        for _ in range(len(_slice)):
             port = next(_next)
             with socket.socket() as probe:
                 try:
@@ -72,4 +73,4 @@ def free_port(host: str = "127.0.0.1") -> int:
                 except OSError:
                     continue
                 return port
-    raise RuntimeError(f"no free port on {host} in {worker_slice()}")
+        raise RuntimeError(f"no free port on {host} in {_slice}")

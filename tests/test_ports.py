@@ -33,6 +33,7 @@ def test_a_machine_whose_ephemeral_range_covers_ours_gets_ports_above_it(monkeyp
 
 def test_a_held_port_is_never_handed_out_nor_one_handed_out_before(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "SPAN", 40)
+    monkeypatch.setattr(ports, "_slice", None)
     monkeypatch.setattr(ports, "_next", None)
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     held = []
@@ -57,6 +58,7 @@ def test_a_held_port_is_never_handed_out_nor_one_handed_out_before(monkeypatch: 
 
 def test_no_port_left_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ports, "worker_slice", lambda: range(0))
-    monkeypatch.setattr(ports, "_next", iter(()))
+    monkeypatch.setattr(ports, "_slice", None)  # read again, once
+    monkeypatch.setattr(ports, "_next", None)
     with pytest.raises(RuntimeError, match="no free port"):
         ports.free_port()

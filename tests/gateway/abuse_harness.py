@@ -35,7 +35,7 @@ import yaml
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.gateway.conftest import wait_for
-from tests.gateway.fakebackend import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_EXAMPLE = ROOT / "examples/runtimes/vllm-nvidia.yaml"

@@ -19,7 +19,6 @@ from tests.ports import free_port
 MODEL = "test-model"
 
 
-
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True

@@ -14,7 +14,7 @@ import openai
 import pytest
 import requests
 
-from tests.gateway.fakebackend import free_port
+from tests.ports import free_port
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 SECRET = "sk-sentinel-6f1d2c"

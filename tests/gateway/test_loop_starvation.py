@@ -40,7 +40,8 @@ from tests.gateway.abuse_harness import (
     request_bytes,
     wait_until,
 )
-from tests.gateway.fakebackend import FakeBackend, free_port
+from tests.gateway.fakebackend import FakeBackend
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

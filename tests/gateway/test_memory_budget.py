@@ -16,8 +16,9 @@ import pytest
 
 from gateway.cgroup import HELD_BODY_SHARE
 from tests.gateway.conftest import wait_for
-from tests.gateway.fakebackend import FakeBackend, free_port
+from tests.gateway.fakebackend import FakeBackend
 from tests.gateway.test_scale import Gateway, children, request_bytes, rss_kib
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

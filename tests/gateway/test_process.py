@@ -22,7 +22,8 @@ import requests
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.gateway.conftest import wait_for
-from tests.gateway.fakebackend import FakeBackend, free_port
+from tests.gateway.fakebackend import FakeBackend
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -21,7 +21,7 @@ import requests
 from gateway.state.readiness import ProbeResult
 from gateway.wire import MAX_INTERIM_RESPONSES, chunk
 from tests.gateway.conftest import wait_for
-from tests.gateway.fakebackend import free_port
+from tests.ports import free_port
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -210,7 +210,7 @@ def test_a_shared_gateway_process_scales_each_model_on_its_own(backends, tmp_pat
 
     from scaler import externalscaler_pb2 as pb
     from scaler import externalscaler_pb2_grpc as pb_grpc
-    from tests.gateway.fakebackend import free_port
+    from tests.ports import free_port
 
     table = tmp_path / "models.json"
     table.write_text(json.dumps({"models": [{"name": n, "backendURL": backends[n].url} for n in ("a", "b")]}))
@@ -561,7 +561,7 @@ def test_a_key_learns_nothing_about_models_it_cannot_open(backends, team_keys) -
 
 def _start_gateway_process(table: Path, **env_extra: str) -> tuple[subprocess.Popen, int]:
     """`python -m gateway` as a shared gateway on free ports; returns it once /healthz answers."""
-    from tests.gateway.fakebackend import free_port
+    from tests.ports import free_port
 
     port, admin = free_port(), free_port()
     root = Path(__file__).resolve().parents[2]
@@ -691,8 +691,8 @@ def test_a_shared_gateways_scaler_serves_mutual_tls_per_model(backends, tmp_path
 
     from scaler import externalscaler_pb2 as pb
     from scaler import externalscaler_pb2_grpc as pb_grpc
-    from tests.gateway.fakebackend import free_port
     from tests.pki import certificate_dates, expiry_gauges, make_ca, make_leaf
+    from tests.ports import free_port
 
     for ca in ("ca", "rogue-ca"):
         make_ca(tmp_path, ca)

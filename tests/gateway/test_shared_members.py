@@ -19,9 +19,10 @@ from gateway.config import GatewayConfig
 from gateway.modeltable import parse_model_table
 from gateway.shared import SharedGatewayApp
 from gateway.state.models import ModelDemand, ModelsSampler
-from tests.gateway.fakebackend import FakeBackend, free_port
+from tests.gateway.fakebackend import FakeBackend
 from tests.gateway.harness import ThreadedGateway
 from tests.gateway.test_shared import _start_gateway_process
+from tests.ports import free_port
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TRANSCRIBE = "/v1/audio/transcriptions"

@@ -104,6 +104,14 @@ def test_the_job_of_an_older_release_without_the_vendor_labels_is_no_spec_confli
     older = copy.deepcopy(job)
     del older["spec"]["template"]["spec"]["affinity"]
     assert older["metadata"]["annotations"][SPEC_HASH] == job["metadata"]["annotations"][SPEC_HASH]
+    # A Job's template cannot change: the running one of the older release is kept as it is, staging.
+    svc = h.llmservice(runtime={"name": "vllm-nvidia"}, cache={"strategy": "NodeLocalPVC", "prewarm": True},
+                       resources={"accelerators": 1}, model={"source": "hf://Qwen/Qwen2.5-7B-Instruct"})
+    answer = sync.sync(h.sync_request(svc, runtimes=[runtime], children=[h.as_observed(older, 0)]), h.config())
+    [kept] = [c for c in answer["children"] if c["kind"] == "Job"]
+    assert "affinity" not in kept["spec"]["template"]["spec"]
+    [cache_ready] = [c for c in answer["status"]["conditions"] if c["type"] == "CacheReady"]
+    assert cache_ready["reason"] == "PrewarmRunning", cache_ready
 
 
 def test_a_runtime_with_its_own_selector_gets_no_vendor_labels_and_a_shared_cache_gets_no_placement() -> None:
