@@ -114,7 +114,7 @@ def test_two_waiters_bound_across_the_nodes_promised_to_them_are_both_served_and
     PriorityClass (preemptionPolicy Never: queue order, no preemption) makes the scheduler bind d on
     n1 once a is gone: c's promise then names a node with no holder and no room."""
     w = world("cross")
-    n1, n2 = w.node("n1", gpus=1), w.node("n2", gpus=1)
+    nodes = {w.node("n1", gpus=1), w.node("n2", gpus=1)}
     w.cluster.kubectl("apply", "--server-side", "-f", "-", stdin=(
         "apiVersion: scheduling.k8s.io/v1\nkind: PriorityClass\nmetadata:\n  name: e2e-pool-cross-first\n"
         "value: 1000\npreemptionPolicy: Never\n"))
@@ -122,9 +122,12 @@ def test_two_waiters_bound_across_the_nodes_promised_to_them_are_both_served_and
         w.add_models({"a": {}, "b": {}, "c": {}, "d": {"scheduling": {"priorityClassName": "e2e-pool-cross-first"}}})
         watch = w.start_watch()
         w.warm("a", gap=0.0)
-        watch.wait("a on n1", lambda s: any(p.node == n1 for p in s.models["a"].pods), timeout=30)
+        # n1 is a's node, whichever the scheduler chose; b then has only the other one.
+        watch.wait("a bound", bound("a"), timeout=30)
+        n1 = next(p.node for p in watch.last.models["a"].pods if p.node)
+        (n2,) = nodes - {n1}
         w.warm("b", gap=0.0)
-        watch.wait("b on n2", lambda s: any(p.node == n2 for p in s.models["b"].pods), timeout=30)
+        watch.wait(f"b on {n2}", lambda s: any(p.node == n2 for p in s.models["b"].pods), timeout=30)
         time.sleep(4.0)  # b's lastActiveTime comes 4 s after a's: a is due (and freed) first
         w.wait_idle("a", "b", past_yield_after=False)
         pool = w.pool(yield_after="10s")
