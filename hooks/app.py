@@ -236,6 +236,29 @@ def create_app(
     the hook routes; ``/healthz``, ``/version`` and ``/metrics`` stay open for kubelet probes,
     people and Prometheus.
     """
+    handlers, config = _resolve_handlers(handlers, config)
+    expected = _expected_token(token)
+    if max_body_bytes is None:
+        max_body_bytes = _max_body_bytes_from_env()
+
+    app = Flask("noctaya-hooks")
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    hook_metrics = metrics if metrics is not None else HookMetrics()
+    routes = [ROUTES_BY_PATH[path] for path in handlers]
+    hook_metrics.prime(route.name for route in routes)
+    app.extensions["noctaya_hook_metrics"] = hook_metrics
+    _authenticate_and_observe(app, expected, {route.name for route in routes}, hook_metrics)
+    refusals = RefusalLog()
+    for route in routes:
+        view = HookView(route, handlers[route.path], config, hook_metrics, refusals, max_body_bytes)
+        app.add_url_rule(route.path, endpoint=route.name, view_func=view, methods=["POST"])
+    _open_routes(app, config, hook_metrics)
+    _error_handlers(app)
+    return app
+
+
+def _resolve_handlers(handlers: Mapping[str, HookHandler] | None, config: Any) -> tuple[Mapping[str, HookHandler], Any]:
+    """The real hook functions and ``HookConfig.from_env()`` unless given; unknown paths refused."""
     if handlers is None:
         handlers = load_default_handlers()
         if config is None:
@@ -245,28 +268,29 @@ def create_app(
     unknown = sorted(set(handlers) - set(ROUTES_BY_PATH))
     if unknown:
         raise ValueError(f"no hook route for path(s) {unknown}; known: {sorted(ROUTES_BY_PATH)}")
+    return handlers, config
+
+
+def _expected_token(token: str | None) -> ExpectedToken | None:
+    """The token given, or the one in NOCTAYA_HOOK_TOKEN_FILE (reread on each call), or none."""
     token_file = os.environ.get(TOKEN_FILE_ENV) if token is None else None
     if token_file:
         token = read_token_file(token_file)  # fails at start on a missing or empty file
-    if token is not None and not token.strip():
+    if token is None:
+        return None
+    if not token.strip():
         raise ValueError("hook token must not be empty")
-    expected = ExpectedToken(token.strip().encode("utf-8"), token_file) if token is not None else None
-    if max_body_bytes is None:
-        max_body_bytes = _max_body_bytes_from_env()
+    return ExpectedToken(token.strip().encode("utf-8"), token_file)
 
-    app = Flask("noctaya-hooks")
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    hook_metrics = metrics if metrics is not None else HookMetrics()
-    routes = [ROUTES_BY_PATH[path] for path in handlers]
-    hook_name_by_endpoint = {route.name: route.name for route in routes}
-    hook_metrics.prime(route.name for route in routes)
-    app.extensions["noctaya_hook_metrics"] = hook_metrics
-    refusals = RefusalLog()
+
+def _authenticate_and_observe(app: Flask, expected: ExpectedToken | None, hooks: set[str],
+                              hook_metrics: HookMetrics) -> None:
+    """Bearer authentication of the hook routes before they run; a metric and one log line after."""
 
     @app.before_request
     def _start_and_authenticate() -> Response | None:
         g.started = time.perf_counter()
-        if expected is None or request.endpoint not in hook_name_by_endpoint:
+        if expected is None or request.endpoint not in hooks:
             return None
         presented = _bearer_token(request.headers.get("Authorization"))
         if presented is None or not hmac.compare_digest(presented.encode("utf-8"), expected.current()):
@@ -280,8 +304,8 @@ def create_app(
 
     @app.after_request
     def _observe(response: Response) -> Response:
-        hook = hook_name_by_endpoint.get(request.endpoint or "")
-        if hook is None:
+        hook = request.endpoint or ""
+        if hook not in hooks:
             return response
         seconds = time.perf_counter() - g.get("started", time.perf_counter())
         hook_metrics.observe(hook, seconds, response.status_code, g.get("error_kind"))
@@ -300,61 +324,64 @@ def create_app(
         )
         return response
 
-    def make_view(route: HookRoute, handler: HookHandler) -> Callable[[], Response]:
-        def view() -> Response:
-            try:
-                hook_request = _parse_body()
-                g.hook_object = _object_key(hook_request)
-                g.hook_object_version = _object_version(hook_request)
-                refusal = check_controller(hook_request)
-                if refusal is not None:
-                    refusals.report(refusal)
-                    g.error_kind = refusal.kind
-                    return error_response(refusal.status, refusal.kind, refusal.message)
-                result = handler(hook_request, config)
-                if not isinstance(result, Mapping):
-                    raise TypeError(f"hook {route.name} returned {type(result).__name__}, not an object")
-                body = serialize_body(result)
-            except _BadBody as exc:
-                return error_response(400, "bad_request", str(exc))
-            except InvalidHookRequest as exc:
-                return error_response(400, "bad_request", str(exc))
-            except RequestEntityTooLarge:
-                return error_response(
-                    413, "payload_too_large", f"request body exceeds {max_body_bytes} bytes"
-                )
-            except HookOverloaded as exc:
-                return error_response(
-                    429, "overloaded", str(exc), {"Retry-After": str(exc.retry_after_seconds)}
-                )
-            except Exception:
-                # The traceback goes to the log; the response names only the hook, because an
-                # exception message can quote request data.
-                logger.exception("hook %s failed for %s", route.name, g.get("hook_object"))
-                return error_response(
-                    500, "internal", f"internal error in hook {route.name}; see hook server log"
-                )
-            if route.name == POOL_SYNC_HOOK:
-                hook_metrics.observe_pool_sync(hook_request, result)
-            etag = etag_for(body)
-            if request.if_none_match.contains_weak(etag.strip('"')):
-                not_modified = Response(status=304)
-                not_modified.headers["ETag"] = etag
-                return not_modified
-            response = Response(body, status=200, content_type=JSON_CONTENT_TYPE)
-            response.headers["ETag"] = etag
-            return response
 
-        view.__name__ = route.name
-        return view
+class HookView:
+    """One hook route's view: parse, refuse a newer controller, run the handler, serialise with an
+    ETag; every failure an error response of its own status (never a 200 with a half-built answer)."""
 
-    for route in routes:
-        app.add_url_rule(
-            route.path,
-            endpoint=route.name,
-            view_func=make_view(route, handlers[route.path]),
-            methods=["POST"],
-        )
+    def __init__(self, route: HookRoute, handler: HookHandler, config: Any, hook_metrics: HookMetrics,
+                 refusals: RefusalLog, max_body_bytes: int) -> None:
+        self.route, self.handler, self.config = route, handler, config
+        self.hook_metrics, self.refusals, self.max_body_bytes = hook_metrics, refusals, max_body_bytes
+        self.__name__ = route.name  # Flask names the view after it
+
+    def __call__(self) -> Response:
+        try:
+            return self._answer()
+        except (_BadBody, InvalidHookRequest) as exc:
+            return error_response(400, "bad_request", str(exc))
+        except RequestEntityTooLarge:
+            return error_response(413, "payload_too_large", f"request body exceeds {self.max_body_bytes} bytes")
+        except HookOverloaded as exc:
+            return error_response(429, "overloaded", str(exc), {"Retry-After": str(exc.retry_after_seconds)})
+        except Exception:
+            # The traceback goes to the log; the response names only the hook, because an
+            # exception message can quote request data.
+            logger.exception("hook %s failed for %s", self.route.name, g.get("hook_object"))
+            return error_response(500, "internal", f"internal error in hook {self.route.name}; see hook server log")
+
+    def _answer(self) -> Response:
+        hook_request = _parse_body()
+        g.hook_object = _object_key(hook_request)
+        g.hook_object_version = _object_version(hook_request)
+        refusal = check_controller(hook_request)
+        if refusal is not None:
+            self.refusals.report(refusal)
+            g.error_kind = refusal.kind
+            return error_response(refusal.status, refusal.kind, refusal.message)
+        result = self.handler(hook_request, self.config)
+        if not isinstance(result, Mapping):
+            raise TypeError(f"hook {self.route.name} returned {type(result).__name__}, not an object")
+        body = serialize_body(result)
+        if self.route.name == POOL_SYNC_HOOK:
+            self.hook_metrics.observe_pool_sync(hook_request, result)
+        return _with_etag(body)
+
+
+def _with_etag(body: bytes) -> Response:
+    """200 with the body's ETag, or 304 without a body when the caller already has it."""
+    etag = etag_for(body)
+    if request.if_none_match.contains_weak(etag.strip('"')):
+        not_modified = Response(status=304)
+        not_modified.headers["ETag"] = etag
+        return not_modified
+    response = Response(body, status=200, content_type=JSON_CONTENT_TYPE)
+    response.headers["ETag"] = etag
+    return response
+
+
+def _open_routes(app: Flask, config: Any, hook_metrics: HookMetrics) -> None:
+    """/healthz, /version and /metrics: never authenticated (kubelet probes, people, Prometheus)."""
 
     @app.get("/healthz")
     def healthz() -> Response:
@@ -368,6 +395,10 @@ def create_app(
     def metrics_view() -> Response:
         body, content_type = hook_metrics.exposition()
         return Response(body, status=200, content_type=content_type)
+
+
+def _error_handlers(app: Flask) -> None:
+    """Errors raised outside a hook's own view, in the hooks' JSON error shape."""
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> Response:
@@ -383,5 +414,3 @@ def create_app(
     def unexpected_error(exc: Exception) -> Response:
         logger.exception("unhandled error on %s", request.path)
         return error_response(500, "internal", "internal error; see hook server log")
-
-    return app

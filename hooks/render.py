@@ -11,6 +11,7 @@ are ignored.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -59,6 +60,15 @@ def _with_identity(doc: dict[str, Any], namespaced: bool) -> dict[str, Any]:
     return {**doc, "metadata": meta}
 
 
+@dataclass
+class _Inputs:
+    """The documents to render, validated: runtimes by name, services and gateways with their index."""
+
+    runtimes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    services: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    gateways: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+
+
 def render_documents(
     documents: list[dict[str, Any]],
     config: HookConfig | None = None,
@@ -69,27 +79,8 @@ def render_documents(
     `sources` optionally names where each document came from (same order), for error messages.
     """
     cfg = resolve(config)
-    runtimes: dict[str, dict[str, Any]] = {}
-    services: list[tuple[int, dict[str, Any]]] = []
-    gateways: list[tuple[int, dict[str, Any]]] = []
-    for index, doc in enumerate(documents):
-        if not isinstance(doc, dict):
-            raise RenderError(f"document {index + 1} is not a Kubernetes object")
-        kind = doc.get("kind")
-        if kind == "InferenceRuntime":
-            parsed = _validated(InferenceRuntime, doc, index, sources)
-            if parsed.metadata.name in runtimes:
-                raise RenderError(f"{_where(doc, index, sources)} is given twice")
-            runtimes[parsed.metadata.name] = _with_identity(doc, namespaced=False)
-        elif kind == "LLMService":
-            _validated(LLMService, doc, index, sources)
-            services.append((index, _with_identity(doc, namespaced=True)))
-        elif kind == "LLMGateway":
-            _validated(LLMGateway, doc, index, sources)
-            gateways.append((index, _with_identity(doc, namespaced=True)))
-
-    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": obs.KEDA_CRD_NAME}}
-    related_runtimes = {name: runtimes[name] for name in sorted(runtimes)}
+    inputs = _read_inputs(documents, sources)
+    related_runtimes = {name: inputs.runtimes[name] for name in sorted(inputs.runtimes)}
     rendered: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str]] = set()
 
@@ -99,52 +90,77 @@ def render_documents(
             raise RenderError(f"{_where(doc, index, sources)} is given twice")
         seen.add(key)
 
-    for index, service in services:
+    for index, service in inputs.services:
         once(index, service)
-        request = {
-            "controller": {"metadata": {"name": "noctaya-llmservice"}},
-            "parent": service,
-            "children": {g: {} for g in (obs.DEPLOYMENT, obs.SERVICE, obs.SECRET, obs.PDB, obs.PVC, obs.JOB)},
-            "related": {
-                obs.RUNTIME: related_runtimes,
-                obs.CRD: {obs.KEDA_CRD_NAME: crd},
-                obs.POD: {},
-            },
-            "finalizing": False,
-        }
-        answer = sync.sync(request, cfg)
-        for cond in answer["status"]["conditions"]:
-            if cond["type"] == ConditionType.RUNTIME_RESOLVED and cond["status"] != "True":
-                hint = " (add its InferenceRuntime file to the inputs)" if cond["reason"] == "RuntimeNotFound" else ""
-                raise RenderError(f"{_where(service, index, sources)}: spec.runtime: {cond['message']}{hint}")
-            if cond["type"] == ConditionType.READY and cond["reason"] == "NotImplemented":
-                raise RenderError(f"{_where(service, index, sources)}: {cond['message']}")
-        rendered.extend(answer["children"])
-        decorated = autoscaling.sync(
-            {
-                "controller": {"metadata": {"name": "noctaya-llmservice-autoscaling"}},
-                "object": service,
-                "attachments": {obs.SCALED_OBJECT: {}},
-                "related": {obs.RUNTIME: related_runtimes},
-                "finalizing": False,
-            },
-            cfg,
-        )
-        rendered.extend(decorated["attachments"])
-    for index, gateway in gateways:
+        rendered.extend(_render_service(service, related_runtimes, cfg, _where(service, index, sources)))
+    for index, gateway in inputs.gateways:
         once(index, gateway)
-        meta = gateway["metadata"]
-        members = {f"{s['metadata']['namespace']}/{s['metadata']['name']}": s for _, s in services
-                   if s["metadata"]["namespace"] == meta["namespace"]}
-        answer = llmgateway.sync({
-            "controller": {"metadata": {"name": "noctaya-llmgateway"}},
-            "parent": gateway,
-            "children": {},
-            "related": {obs.RUNTIME: related_runtimes, llmgateway.LLMSERVICE: members},
-            "finalizing": False,
-        }, cfg)
-        for cond in answer["status"]["conditions"]:
-            if cond["type"] == llmgateway.MEMBERS_ACCEPTED and cond["status"] != "True":
-                raise RenderError(f"{_where(gateway, index, sources)}: {cond['message']}")
-        rendered.extend(answer["children"])
+        rendered.extend(_render_gateway(gateway, inputs.services, related_runtimes, cfg,
+                                        _where(gateway, index, sources)))
     return rendered
+
+
+def _read_inputs(documents: list[dict[str, Any]], sources: list[str] | None) -> _Inputs:
+    inputs = _Inputs()
+    for index, doc in enumerate(documents):
+        if not isinstance(doc, dict):
+            raise RenderError(f"document {index + 1} is not a Kubernetes object")
+        kind = doc.get("kind")
+        if kind == "InferenceRuntime":
+            parsed = _validated(InferenceRuntime, doc, index, sources)
+            if parsed.metadata.name in inputs.runtimes:
+                raise RenderError(f"{_where(doc, index, sources)} is given twice")
+            inputs.runtimes[parsed.metadata.name] = _with_identity(doc, namespaced=False)
+        elif kind == "LLMService":
+            _validated(LLMService, doc, index, sources)
+            inputs.services.append((index, _with_identity(doc, namespaced=True)))
+        elif kind == "LLMGateway":
+            _validated(LLMGateway, doc, index, sources)
+            inputs.gateways.append((index, _with_identity(doc, namespaced=True)))
+    return inputs
+
+
+def _render_service(service: dict[str, Any], related_runtimes: dict[str, dict[str, Any]], cfg: HookConfig,
+                    where: str) -> list[dict[str, Any]]:
+    """The sync hook's children for a new LLMService with KEDA installed, then the decorator's ScaledObject."""
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": obs.KEDA_CRD_NAME}}
+    answer = sync.sync({
+        "controller": {"metadata": {"name": "noctaya-llmservice"}},
+        "parent": service,
+        "children": {g: {} for g in (obs.DEPLOYMENT, obs.SERVICE, obs.SECRET, obs.PDB, obs.PVC, obs.JOB)},
+        "related": {obs.RUNTIME: related_runtimes, obs.CRD: {obs.KEDA_CRD_NAME: crd}, obs.POD: {}},
+        "finalizing": False,
+    }, cfg)
+    for cond in answer["status"]["conditions"]:
+        if cond["type"] == ConditionType.RUNTIME_RESOLVED and cond["status"] != "True":
+            hint = " (add its InferenceRuntime file to the inputs)" if cond["reason"] == "RuntimeNotFound" else ""
+            raise RenderError(f"{where}: spec.runtime: {cond['message']}{hint}")
+        if cond["type"] == ConditionType.READY and cond["reason"] == "NotImplemented":
+            raise RenderError(f"{where}: {cond['message']}")
+    decorated = autoscaling.sync({
+        "controller": {"metadata": {"name": "noctaya-llmservice-autoscaling"}},
+        "object": service,
+        "attachments": {obs.SCALED_OBJECT: {}},
+        "related": {obs.RUNTIME: related_runtimes},
+        "finalizing": False,
+    }, cfg)
+    return [*answer["children"], *decorated["attachments"]]
+
+
+def _render_gateway(gateway: dict[str, Any], services: list[tuple[int, dict[str, Any]]],
+                    related_runtimes: dict[str, dict[str, Any]], cfg: HookConfig, where: str) -> list[dict[str, Any]]:
+    """An LLMGateway's children, with the given LLMServices of its namespace as its candidate members."""
+    meta = gateway["metadata"]
+    members = {f"{s['metadata']['namespace']}/{s['metadata']['name']}": s for _, s in services
+               if s["metadata"]["namespace"] == meta["namespace"]}
+    answer = llmgateway.sync({
+        "controller": {"metadata": {"name": "noctaya-llmgateway"}},
+        "parent": gateway,
+        "children": {},
+        "related": {obs.RUNTIME: related_runtimes, llmgateway.LLMSERVICE: members},
+        "finalizing": False,
+    }, cfg)
+    for cond in answer["status"]["conditions"]:
+        if cond["type"] == llmgateway.MEMBERS_ACCEPTED and cond["status"] != "True":
+            raise RenderError(f"{where}: {cond['message']}")
+    return list(answer["children"])

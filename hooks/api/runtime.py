@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import re
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -308,13 +308,23 @@ def volume_conflicts(spec: object) -> list[str]:
     model = _clean(spec.get("modelMountPath", "/models"))
     own = [(p, what) for p, what in ((SHM_MOUNT_PATH, "shared memory"), (cache, "the model cache (cacheMountPath)"),
                                     (model, "pvc:// model sources (modelMountPath)")) if isinstance(p, str)]
+    return [*_own_path_conflicts(cache, model), *_runtime_volume_conflicts(volumes, own)]
+
+
+def _own_path_conflicts(cache: str | None, model: str | None) -> list[str]:
+    """Noctaya's own mount paths set on top of each other (cache, pvc:// models, shared memory)."""
+    if not isinstance(cache, str) or not isinstance(model, str):
+        return []
+    out = [f"cacheMountPath and modelMountPath are both {cache}"] if cache == model else []
+    for field, path in (("cacheMountPath", cache), ("modelMountPath", model)):
+        if path == SHM_MOUNT_PATH:
+            out.append(f"{field} is {SHM_MOUNT_PATH}, where Noctaya mounts shared memory")
+    return out
+
+
+def _runtime_volume_conflicts(volumes: list[dict[str, Any]], own: list[tuple[str, str]]) -> list[str]:
+    """Runtime volumes named like Noctaya's or each other, or mounted where another mount is."""
     out: list[str] = []
-    if isinstance(cache, str) and isinstance(model, str):
-        if cache == model:
-            out.append(f"cacheMountPath and modelMountPath are both {cache}")
-        for field, path in (("cacheMountPath", cache), ("modelMountPath", model)):
-            if path == SHM_MOUNT_PATH:
-                out.append(f"{field} is {SHM_MOUNT_PATH}, where Noctaya mounts shared memory")
     seen_names: set[str] = set()
     seen_paths: dict[str, str] = {}
     for v in volumes:
@@ -328,9 +338,7 @@ def volume_conflicts(spec: object) -> list[str]:
             seen_names.add(name)
         if not isinstance(path, str):
             continue
-        for own_path, what in own:
-            if path == own_path:
-                out.append(f"{label} mounts at {v['mountPath']}, where Noctaya mounts {what}")
+        out += [f"{label} mounts at {v['mountPath']}, where Noctaya mounts {what}" for own_path, what in own if path == own_path]
         other = seen_paths.get(path)
         if other is not None:
             out.append(f"{label} mounts at {v['mountPath']}, as runtime volume {other} does")

@@ -11,7 +11,6 @@ GatewayReady and status.endpoint come from the LLMGateway it names (related by c
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,12 +20,12 @@ from hooks.api.llmservice import LLMService
 from hooks.api.status import ConditionType, Reason
 from hooks.api.upgrades import Upgrades
 from hooks.config import HookConfig, resolve
-from hooks.controller import coldstart, rollout
+from hooks.controller import coldstart, rollout, weights
 from hooks.controller import observe as obs
 from hooks.controller import status as st
 from hooks.controller.customize import shared_gateway_name
 from hooks.errors import describe_validation_error
-from hooks.resources import autoscaling, backend, cache, disruption, gateway, labels, names, prewarm, scaler, secrets
+from hooks.resources import autoscaling, backend, disruption, gateway, labels, names, prewarm, scaler, secrets
 from hooks.resources.context import RenderContext, endpoint_url
 from hooks.runtime.select import Resolution, select_runtime
 
@@ -159,102 +158,39 @@ def _invalid(out: Outcome, parent: dict[str, Any], observed: obs.Observed, messa
 def plan_children(
     ctx: RenderContext, observed: obs.Observed, out: Outcome, keda: bool, missing: dict[str, str]
 ) -> autoscaling.ScaledObjectPlan:
-    """The desired children (appended to `out`) and the cache / autoscaling conditions."""
-    name = ctx.name
-    cache_plan = cache.plan(ctx)
-    mount, staging, job, node = cache_plan.mount, None, None, None
-    observed_backend = observed_deployment(observed, names.backend(name))
-    if prewarm.applies(ctx):
-        job, staging = _plan_prewarm(ctx, observed, cache_plan.mount.volume, missing)
-        # A node-local cache holds the weights on the node the Job ran on: the backend follows them.
-        node = prewarm.weights_node(ctx, observed.pods_of(labels.PREWARM), observed_backend)
-        mount = prewarm.staged_mount(ctx, mount, node)
-        if staging.status == "True" and node is not None:
-            staging = dataclasses.replace(staging, message=st.short(f"{staging.message} on node {node}"))
+    """The desired children (appended to `out`, in a fixed order: a resync of an unchanged world
+    answers the same bytes) and the cache / autoscaling conditions."""
+    observed_backend = observed_deployment(observed, names.backend(ctx.name))
+    plan = weights.plan(ctx, observed, observed_backend, missing)
     # Until the weights are staged no backend is created, and a running one (an older revision) is
     # kept exactly as it is: it rolls to the new revision only once that revision is complete.
-    blocked = staging is not None and staging.status != "True"
-    if keda and not blocked:
-        out.children.append(backend.deployment(ctx, mount, observed_backend, prewarm.weights_annotations(ctx, node)))
-    else:
-        if observed_backend is not None:
-            out.children.append(obs.kept(observed_backend))
+    if keda and not plan.blocked:
+        out.children.append(backend.deployment(ctx, plan.mount, observed_backend,
+                                               prewarm.weights_annotations(ctx, plan.node)))
+    elif observed_backend is not None:
+        out.children.append(obs.kept(observed_backend))
     out.children.append(backend.service(ctx))
-
-    cache_cond = st.Cond(ConditionType.CACHE_READY, cache_plan.status, cache_plan.reason, cache_plan.message)
-    if cache_plan.claim is not None:
-        claim_name = cache_plan.claim["metadata"]["name"]
-        existing_claim = observed.child(obs.PVC, claim_name)
-        if existing_claim is None:
-            out.children.append(cache_plan.claim)
-        else:
-            # Create-once: keep the claim as it is; a different desired spec is a conflict to report.
-            out.children.append(obs.kept(existing_claim))
-            want = cache_plan.claim["metadata"]["annotations"][cache.SPEC_HASH]
-            have = ((existing_claim.get("metadata") or {}).get("annotations") or {}).get(cache.SPEC_HASH)
-            phase = (existing_claim.get("status") or {}).get("phase")
-            if have != want:
-                cache_cond = st.Cond(
-                    ConditionType.CACHE_READY,
-                    "False",
-                    Reason.CACHE_SPEC_CONFLICT,
-                    f"claim {claim_name} was created from a different cache spec; claims cannot change: "
-                    "restore the previous size/class/strategy or delete the claim to recreate it",
-                )
-            elif cache_cond.reason != Reason.NOT_IMPLEMENTED:
-                if phase == "Bound":
-                    cache_cond = st.Cond(ConditionType.CACHE_READY, "True", Reason.AVAILABLE, f"claim {claim_name} bound")
-                elif phase == "Lost":
-                    cache_cond = st.Cond(ConditionType.CACHE_READY, "False", Reason.PROGRESSING, f"claim {claim_name} lost its volume")
-                else:
-                    # With prewarm the Job is the claim's first consumer: the claim binds (and, on a
-                    # node-local volume, the weights and later the backend stay) where that Pod runs.
-                    first = ("the prewarm Job's Pod; the backend then runs on that node" if job is not None
-                             else "the first backend Pod")
-                    cache_cond = st.Cond(
-                        ConditionType.CACHE_READY,
-                        "Unknown",
-                        Reason.PROGRESSING,
-                        f"claim {claim_name} pending (a WaitForFirstConsumer claim binds with {first})",
-                    )
-    if job is not None:
-        out.children.append(job)
-    if staging is not None and cache_cond.reason != Reason.CACHE_SPEC_CONFLICT:
-        claim_pending = cache_plan.claim is not None and cache_cond.reason == Reason.PROGRESSING
-        cache_cond = staging  # the Job says more than the claim (which it binds)
-        if claim_pending and staging.status != "True" and ctx.service.spec.cache.strategy == "NodeLocalPVC":
-            cache_cond = dataclasses.replace(staging, message=st.short(
-                f"{staging.message}; claim {cache_plan.claim['metadata']['name']} binds on the node this Job's Pod "
-                "runs on (its first consumer), and the backend will run on that node"))
-    unreachable = _weights_unreachable(ctx, node, observed, cache_plan.claim)
-    if unreachable is not None and cache_cond.status == "True":
-        cache_cond = st.Cond(ConditionType.CACHE_READY, "False", st.WEIGHTS_NODE_UNAVAILABLE, unreachable)
-        out.backend_failures.append((st.WEIGHTS_NODE_UNAVAILABLE, unreachable))
-    spec = ctx.service.spec
-    if spec.cache.strategy == "NodeLocalPVC" and spec.scaling.max > 1 and cache_cond.status != "False":
-        # Not an error (replica 1 is fine), but replicas 2..N share one node's claim: say so where users look.
-        cache_cond = dataclasses.replace(
-            cache_cond,
-            message=st.short(f"{cache_cond.message}; note: a NodeLocalPVC claim lives on one node, so extra "
-                             "replicas must fit on that node: use SharedPVC for scaling.max > 1"),
-        )
-    out.put(cache_cond)
-
-    if ctx.shared_gateway is None:
-        # A member of a shared gateway has none of these: the LLMGateway renders them for all its
-        # models, and Metacontroller deletes the ones a switch to shared leaves behind.
-        out.children.append(gateway.deployment(ctx))
-        out.children.append(gateway.public_service(ctx))
-        out.children.append(scaler.service(ctx))
-    if ctx.multi_gateway:
-        out.children.append(scaler.aggregator_deployment(ctx))
-        out.children.append(disruption.gateway_pdb(ctx))
-        token_name = names.scaler_token(name)
-        out.children.append(secrets.token_secret(ctx, observed.child(obs.SECRET, token_name)))
-
+    out.children.extend(plan.children)
+    out.backend_failures.extend(plan.backend_failures)
+    out.put(plan.condition)
+    out.children.extend(_front_children(ctx, observed))
     so_plan = autoscaling.scaled_object(ctx)
     out.put(autoscaling_condition(ctx, observed, keda, so_plan, missing))
     return so_plan
+
+
+def _front_children(ctx: RenderContext, observed: obs.Observed) -> list[dict[str, Any]]:
+    """The model's own gateway, its Services, and with several gateway replicas the scaler aggregator."""
+    out: list[dict[str, Any]] = []
+    if ctx.shared_gateway is None:
+        # A member of a shared gateway has none of these: the LLMGateway renders them for all its
+        # models, and Metacontroller deletes the ones a switch to shared leaves behind.
+        out += [gateway.deployment(ctx), gateway.public_service(ctx), scaler.service(ctx)]
+    if ctx.multi_gateway:
+        token_name = names.scaler_token(ctx.name)
+        out += [scaler.aggregator_deployment(ctx), disruption.gateway_pdb(ctx),
+                secrets.token_secret(ctx, observed.child(obs.SECRET, token_name))]
+    return out
 
 
 def autoscaling_condition(ctx: RenderContext, observed: obs.Observed, keda: bool,
@@ -281,64 +217,11 @@ def autoscaling_condition(ctx: RenderContext, observed: obs.Observed, keda: bool
         f"{scaling.max} replicas on demand from {ctx.scaler_address}" + _windows_text(ctx)))
 
 
-def _weights_unreachable(ctx: RenderContext, node: str | None, observed: obs.Observed,
-                         claim: dict[str, Any] | None) -> str | None:
-    """Why the backend cannot reach node-local weights, from its own Pods: the scheduler cannot place
-    them on the only node that holds the weights (gone, NotReady, cordoned or full)."""
-    if node is None:
-        return None
-    said = st.unschedulable_message(observed.live_pods())
-    if said is None:
-        return None
-    job = prewarm.job_name(ctx)
-    where = (f"the cache claim {claim['metadata']['name']}'s volume is on node {node}" if claim is not None
-             else f"the HostPath cache holds them on node {node} only")
-    return st.short(
-        f"the weights staged by Job {job} are on node {node} ({where}) and the backend cannot be scheduled "
-        f"there: {said}; if node {node} is gone for good, delete the Job (kubectl delete job {job}) to stage "
-        "them again on a node the backend can use")
-
-
 def _windows_text(ctx: RenderContext) -> str:
     """The warm windows as the ScaledObject opens them (stable: the lead changes only with a new
     cold-start record)."""
     parts = [autoscaling.window_text(window, ctx.measured_cold_start) for window in ctx.service.spec.scaling.schedules]
     return f"; warm windows hold {'; '.join(parts)}" if parts else ""
-
-
-def _plan_prewarm(ctx: RenderContext, observed: obs.Observed, volume: dict[str, Any],
-                  missing: dict[str, str]) -> tuple[dict[str, Any], st.Cond]:
-    """The prewarm Job (create-once) and the CacheReady it implies; "True" once it succeeded."""
-    t = ConditionType.CACHE_READY
-    desired = prewarm.job(ctx, volume)
-    job_name = desired["metadata"]["name"]
-    staged = prewarm.model_dir(ctx)
-    what = f"{staged.source}@{staged.revision}"
-    existing = observed.child(obs.JOB, job_name)
-    if existing is None:
-        return desired, st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, f"prewarm Job {job_name} created to stage {what}")
-    kept = obs.kept(existing)
-    state = prewarm.job_state(existing, observed.pods_of(labels.PREWARM))
-    if state.phase == "succeeded":
-        # Done is done: a spec that changed since no longer matters for weights already verified.
-        return kept, st.Cond(t, "True", Reason.AVAILABLE, f"{what} staged in the cache by Job {job_name}")
-    want = desired["metadata"]["annotations"][cache.SPEC_HASH]
-    have = ((existing.get("metadata") or {}).get("annotations") or {}).get(cache.SPEC_HASH)
-    if have != want:
-        return kept, st.Cond(t, "False", Reason.CACHE_SPEC_CONFLICT, st.short(
-            f"prewarm Job {job_name} was created from a different spec and Jobs cannot change: delete it "
-            f"(kubectl delete job {job_name}) and it is created again; files already staged are kept"))
-    if "credentials" in missing:
-        return kept, st.Cond(t, "False", Reason.SECRET_NOT_FOUND, st.short(
-            f"model.credentialsSecret {missing['credentials']} does not exist: the prewarm Job {job_name} cannot start"))
-    if state.phase == "failed":
-        said = f": {state.message}" if state.message else ""
-        return kept, st.Cond(t, "False", Reason.PREWARM_FAILED, st.short(
-            f"prewarm Job {job_name} failed ({state.reason}){said}; delete the Job to try again"))
-    last = f"; the last attempt ended: {state.message}" if state.message else ""
-    return kept, st.Cond(t, "Unknown", Reason.PREWARM_RUNNING, st.short(
-        f"prewarm Job {job_name} is staging {what}, attempt {state.attempt} of {prewarm.BACKOFF_LIMIT + 1} "
-        f"(kubectl logs -f job/{job_name} shows bytes, rate and ETA){last}"))
 
 
 def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -> Outcome:

@@ -229,17 +229,40 @@ def pod_template(
     pod_labels: dict[str, str],
     cache: CacheMount,
 ) -> dict[str, Any]:
-    """metadata + spec of the backend Pod template."""
+    """metadata + spec of the backend Pod template. Key order is part of the answer: a resync of an
+    unchanged world must return the same bytes."""
     spec = runtime.spec
-    res = service.spec.resources
-    place = vendors.placement(spec.accelerator, res.accelerators)
-    hints = scheduling.hints(spec.scheduling, res.accelerators)
+    hints = scheduling.hints(spec.scheduling, service.spec.resources.accelerators)
+    mounts, volumes = _volumes(service, runtime, cache)
+    pod_spec: dict[str, Any] = {
+        # The engine needs no Kubernetes API, and Service-link env (e.g. VLLM_PORT from a Service
+        # named vllm) is known to break engines that read their own env prefix.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.lifecycle.grace_seconds,
+        **({"initContainers": [cache.wait_container]} if cache.wait_container is not None else {}),
+        "containers": [_engine_container(service, runtime, cache, mounts)],
+        "volumes": volumes,
+    }
+    pull = pull_secret_names(spec.image_pull_secrets, service.spec.image_pull_secrets)
+    if pull:
+        pod_spec["imagePullSecrets"] = pull
+    fs_group = spec.security.fs_group if spec.security.fs_group is not None else spec.security.run_as_user
+    if fs_group is not None:
+        # Volumes (the cache claim above all) become writable to the non-root engine.
+        pod_spec["securityContext"] = {"fsGroup": fs_group}
+    pod_spec.update(_placement(service, runtime, hints, cache))
+    metadata: dict[str, Any] = {"labels": dict(pod_labels)}
+    if hints.annotations:
+        metadata["annotations"] = dict(sorted(hints.annotations.items()))
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def _volumes(service: LLMService, runtime: InferenceRuntime,
+             cache: CacheMount) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The engine's volume mounts and the Pod's volumes: cache, pvc:// weights, the runtime's own, shm."""
+    spec = runtime.spec
     source = service.spec.model.parsed
-
-    ports = [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}]
-    if spec.metrics is not None and spec.metrics.port is not None and spec.metrics.port != spec.port:
-        ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.metrics.port, "protocol": "TCP"})
-
     mounts: list[dict[str, Any]] = [
         {"name": CACHE_VOLUME, "mountPath": spec.cache_mount_path, **({"readOnly": True} if cache.read_only else {})}
     ]
@@ -257,7 +280,15 @@ def pod_template(
     # parallelism and data loaders. Pages count toward the memory limit only as they are written.
     mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size or DEFAULT_SHM_SIZE}})
+    return mounts, volumes
 
+
+def _engine_container(service: LLMService, runtime: InferenceRuntime, cache: CacheMount,
+                      mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    spec = runtime.spec
+    ports = [{"name": PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}]
+    if spec.metrics is not None and spec.metrics.port is not None and spec.metrics.port != spec.port:
+        ports.append({"name": METRICS_PORT_NAME, "containerPort": spec.metrics.port, "protocol": "TCP"})
     container: dict[str, Any] = {"name": CONTAINER_NAME, "image": spec.image}
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -279,41 +310,28 @@ def pod_template(
     if pre_stop is not None:
         container["lifecycle"] = {"preStop": pre_stop}
     container["securityContext"] = container_security(runtime)
+    return container
 
-    pod_spec: dict[str, Any] = {
-        # The engine needs no Kubernetes API, and Service-link env (e.g. VLLM_PORT from a Service
-        # named vllm) is known to break engines that read their own env prefix.
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": spec.lifecycle.grace_seconds,
-        **({"initContainers": [cache.wait_container]} if cache.wait_container is not None else {}),
-        "containers": [container],
-        "volumes": volumes,
-    }
-    pull = pull_secret_names(spec.image_pull_secrets, service.spec.image_pull_secrets)
-    if pull:
-        pod_spec["imagePullSecrets"] = pull
-    fs_group = spec.security.fs_group if spec.security.fs_group is not None else spec.security.run_as_user
-    if fs_group is not None:
-        # Volumes (the cache claim above all) become writable to the non-root engine.
-        pod_spec["securityContext"] = {"fsGroup": fs_group}
+
+def _placement(service: LLMService, runtime: InferenceRuntime, hints: scheduling.SchedulingHints,
+               cache: CacheMount) -> dict[str, Any]:
+    """Where the Pod may run and who schedules it: the vendor's placement, the node holding
+    node-local weights, the runtime's scheduler, the priority class."""
+    place = vendors.placement(runtime.spec.accelerator, service.spec.resources.accelerators)
+    out: dict[str, Any] = {}
     if place.node_selector:
-        pod_spec["nodeSelector"] = dict(sorted(place.node_selector.items()))
+        out["nodeSelector"] = dict(sorted(place.node_selector.items()))
     if place.tolerations:
-        pod_spec["tolerations"] = place.tolerations
+        out["tolerations"] = place.tolerations
     if cache.node is not None:
-        pod_spec["affinity"] = node_pin(cache.node)
+        out["affinity"] = node_pin(cache.node)
     if place.runtime_class_name:
-        pod_spec["runtimeClassName"] = place.runtime_class_name
+        out["runtimeClassName"] = place.runtime_class_name
     if hints.scheduler_name:
-        pod_spec["schedulerName"] = hints.scheduler_name
+        out["schedulerName"] = hints.scheduler_name
     # The LLMService's own priority wins over its runtime's (a model-level tier on a shared runtime).
     own = service.spec.scheduling.priority_class_name if service.spec.scheduling is not None else None
     priority_class = own or hints.priority_class_name
     if priority_class:
-        pod_spec["priorityClassName"] = priority_class
-
-    metadata: dict[str, Any] = {"labels": dict(pod_labels)}
-    if hints.annotations:
-        metadata["annotations"] = dict(sorted(hints.annotations.items()))
-    return {"metadata": metadata, "spec": pod_spec}
+        out["priorityClassName"] = priority_class
+    return out
