@@ -348,6 +348,34 @@ def stage(model: ModelDir, stager: OciStager, progress_interval: float = 10.0,
         return _stage(model, stager, progress_interval)
 
 
+def _layer_plan(model: ModelDir, manifest: dict[str, Any]) -> tuple[list[tuple[str, int, PurePosixPath, bool]], dict[str, int]]:
+    """Each layer as (digest, size, file name, unpack) and each distinct blob's size: every layer with a
+    sha256 digest, a size and a safe title of its own, or the artifact is refused."""
+    titles: set[PurePosixPath] = set()
+    plan = []
+    distinct: dict[str, int] = {}  # digest -> size: each blob is fetched once, whatever its titles
+    for layer in manifest["layers"]:
+        digest, size = layer.get("digest"), layer.get("size")
+        if (not isinstance(digest, str) or not re.fullmatch(r"sha256:[a-f0-9]{64}", digest)
+                or not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise PrewarmError(f"{model.source}: a layer without a sha256 digest and size: refused")
+        if distinct.setdefault(digest, size) != size:
+            raise PrewarmError(f"{model.source}: blob {digest} is declared with two sizes: refused")
+        title = (layer.get("annotations") or {}).get(TITLE)
+        if not isinstance(title, str):
+            raise PrewarmError(f"{model.source}: layer {digest} has no {TITLE} annotation (a file name): refused")
+        name = safe_relative_path(title, "layer title")
+        if name in titles:
+            raise PrewarmError(f"{model.source}: two layers are titled {title!r}: refused")
+        titles.add(name)
+        # A directory layer: ORAS marks it with the unpack annotation (the Go CLI) or the tar+gzip
+        # media type alone (oras-py); a file layer is its bytes as they are.
+        unpack = (str((layer.get("annotations") or {}).get(UNPACK, "")).lower() == "true"
+                  or layer.get("mediaType") == DIR_MEDIA_TYPE)
+        plan.append((digest, size, name, unpack))
+    return plan, distinct
+
+
 def _stage(model: ModelDir, stager: OciStager, progress_interval: float) -> dict[str, object]:
     existing = model.read_marker()
     if existing is not None:
@@ -360,28 +388,7 @@ def _stage(model: ModelDir, stager: OciStager, progress_interval: float) -> dict
     shutil.rmtree(blobs, ignore_errors=True)
     try:
         manifest = stager.manifest(model)
-        titles: set[PurePosixPath] = set()
-        plan = []
-        distinct: dict[str, int] = {}  # digest -> size: each blob is fetched once, whatever its titles
-        for layer in manifest["layers"]:
-            digest, size = layer.get("digest"), layer.get("size")
-            if (not isinstance(digest, str) or not re.fullmatch(r"sha256:[a-f0-9]{64}", digest)
-                    or not isinstance(size, int) or isinstance(size, bool) or size < 0):
-                raise PrewarmError(f"{model.source}: a layer without a sha256 digest and size: refused")
-            if distinct.setdefault(digest, size) != size:
-                raise PrewarmError(f"{model.source}: blob {digest} is declared with two sizes: refused")
-            title = (layer.get("annotations") or {}).get(TITLE)
-            if not isinstance(title, str):
-                raise PrewarmError(f"{model.source}: layer {digest} has no {TITLE} annotation (a file name): refused")
-            name = safe_relative_path(title, "layer title")
-            if name in titles:
-                raise PrewarmError(f"{model.source}: two layers are titled {title!r}: refused")
-            titles.add(name)
-            # A directory layer: ORAS marks it with the unpack annotation (the Go CLI) or the tar+gzip
-            # media type alone (oras-py); a file layer is its bytes as they are.
-            unpack = (str((layer.get("annotations") or {}).get(UNPACK, "")).lower() == "true"
-                      or layer.get("mediaType") == DIR_MEDIA_TYPE)
-            plan.append((digest, size, name, unpack))
+        plan, distinct = _layer_plan(model, manifest)
         total = sum(distinct.values())
         free = _free_bytes(model.parent)
         if total > free:
