@@ -55,7 +55,6 @@ the replays; results in docs/benchmarks.md ("A day of a multi-model platform").
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import shutil
@@ -240,6 +239,7 @@ class Outcome:
     kind: str = ""
     first_token: float | None = None
     seconds: float = 0.0
+    chunks: int = 0
 
     def acceptable(self) -> bool:
         return ((self.status == 200 and self.kind == "complete")
@@ -408,6 +408,8 @@ def ask(url: str, model: str, out: Outcome) -> None:
     """One streamed chat completion, classified as tests/e2e/test_accelerator_pool.py does."""
     import requests
 
+    from tests.e2e.pool_world import read_stream
+
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
     t0 = time.monotonic()
     try:
@@ -420,36 +422,10 @@ def ask(url: str, model: str, out: Outcome) -> None:
                 except ValueError:
                     out.kind = "not-json"
             else:
-                out.kind = _read_stream(resp, out, t0)
+                out.kind = read_stream(resp, out, t0, TOKENS)
     except requests.RequestException as exc:
         out.kind = f"reset ({type(exc).__name__})"
     out.seconds = time.monotonic() - t0
-
-
-def _read_stream(resp: Any, out: Outcome, t0: float) -> str:
-    words: list[str] = []
-    event = ""
-    for raw in resp.iter_lines():
-        line = raw.decode()
-        if line.startswith("event:"):
-            event = line.split(":", 1)[1].strip()
-        elif line.startswith("data:"):
-            data = line.split(":", 1)[1].strip()
-            if data == "[DONE]":
-                return "complete" if words == [f"tok{i}" for i in range(TOKENS)] else "cut"
-            doc = json.loads(data)
-            if event == "error" or "error" in doc:
-                kind = str((doc.get("error") or {}).get("type", "error"))
-                if kind == "activation_timeout" and not words:
-                    out.status = 504  # a cold stream's timeout: an error frame inside a committed 200
-                return kind
-            for choice in doc.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    if out.first_token is None:
-                        out.first_token = time.monotonic() - t0
-                    words.append(content.strip())
-    return "cut"
 
 
 def pool_yields(cluster: Any, pool: str) -> int:

@@ -37,6 +37,37 @@ RESOURCES = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 # --- requests ----------------------------------------------------------------------------------------
 
 
+def read_stream(resp: requests.Response, out: Any, t0: float, tokens: int) -> str:
+    """How an SSE chat stream of ``tokens`` words ended: complete, cut or the error frame's type; sets
+    ``out.first_token``, ``out.chunks`` and, for a cold stream's timeout, ``out.status`` 504."""
+    words: list[str] = []
+    event = ""
+    for raw in resp.iter_lines():
+        line = raw.decode()
+        if line.startswith("event:"):
+            event = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            data = line.split(":", 1)[1].strip()
+            if data == "[DONE]":
+                out.chunks = len(words)
+                return "complete" if words == [f"tok{i}" for i in range(tokens)] else "cut"
+            doc = json.loads(data)
+            if event == "error" or "error" in doc:
+                out.chunks = len(words)
+                # A cold stream's timeout is an error frame inside a committed 200: count it as the 504 it stands for.
+                kind = str((doc.get("error") or {}).get("type", "error"))
+                if kind == "activation_timeout" and not words:
+                    out.status = 504
+                return kind
+            for choice in doc.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    out.first_token = out.first_token if out.first_token is not None else time.monotonic() - t0
+                    words.append(content.strip())
+    out.chunks = len(words)
+    return "cut"
+
+
 @dataclass
 class Outcome:
     model: str
@@ -89,7 +120,7 @@ class Client:
                     out.chunks = len(content.split())
                     out.kind = "complete" if content.split() == [f"tok{i}" for i in range(tokens)] else "cut"
                 else:
-                    out.kind = self._read_stream(resp, out, t0, tokens)
+                    out.kind = read_stream(resp, out, t0, tokens)
         except requests.RequestException as exc:
             out.kind = f"reset ({type(exc).__name__})"
         out.seconds = time.monotonic() - t0
@@ -97,35 +128,6 @@ class Client:
             self.outcomes.append(out)
         self.timeline.note(f"request: {out}")
         return out
-
-    @staticmethod
-    def _read_stream(resp: requests.Response, out: Outcome, t0: float, tokens: int) -> str:
-        words: list[str] = []
-        event = ""
-        for raw in resp.iter_lines():
-            line = raw.decode()
-            if line.startswith("event:"):
-                event = line.split(":", 1)[1].strip()
-            elif line.startswith("data:"):
-                data = line.split(":", 1)[1].strip()
-                if data == "[DONE]":
-                    out.chunks = len(words)
-                    return "complete" if words == [f"tok{i}" for i in range(tokens)] else "cut"
-                doc = json.loads(data)
-                if event == "error" or "error" in doc:
-                    out.chunks = len(words)
-                    # A cold stream's timeout is an error frame inside a committed 200: count it as the 504 it stands for.
-                    kind = str((doc.get("error") or {}).get("type", "error"))
-                    if kind == "activation_timeout" and not words:
-                        out.status = 504
-                    return kind
-                for choice in doc.get("choices") or []:
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        out.first_token = out.first_token if out.first_token is not None else time.monotonic() - t0
-                        words.append(content.strip())
-        out.chunks = len(words)
-        return "cut"
 
     def ask_later(self, model: Model, **kwargs: Any) -> threading.Thread:
         thread = threading.Thread(target=self.ask, args=(model,), kwargs=kwargs, daemon=True)
