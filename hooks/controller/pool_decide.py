@@ -22,10 +22,12 @@ Order matters and is the policy:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from enum import StrEnum
+from functools import cached_property
 
 from hooks.config import parse_rfc3339
 from hooks.controller.pool_facts import Model, Node, Pod
@@ -71,8 +73,24 @@ class Facts:
     yield_after: float = 0.0
     stalled: dict[str, str] = field(default_factory=dict)  # earlier stalls still true (see read_facts)
 
+    @cached_property
+    def _units(self) -> tuple[Counter[tuple[str, str]], Counter[str], Counter[str], dict[str, list[str]]]:
+        """Units bound per (model, node), per model and per node, and each model's nodes, summed once:
+        the rules ask these for every holder, node and promise (a large cluster has thousands of Pods)."""
+        per_pair: Counter[tuple[str, str]] = Counter()
+        per_service: Counter[str] = Counter()
+        per_node: Counter[str] = Counter()
+        for p in self.bound:
+            per_pair[(p.service, p.node)] += p.units
+            per_service[p.service] += p.units
+            per_node[p.node] += p.units
+        nodes_of: dict[str, list[str]] = {}
+        for service, node in per_pair:
+            nodes_of.setdefault(service, []).append(node)
+        return per_pair, per_service, per_node, nodes_of
+
     def held_by(self, service: str, node: str) -> int:
-        return sum(p.units for p in self.bound if p.service == service and p.node == node)
+        return self._units[0][(service, node)]
 
     def letting_go(self, service: str, node: str) -> bool:
         """Every Pod the model has on the node is terminating: KEDA did its part."""
@@ -81,10 +99,14 @@ class Facts:
     def holding(self, service: str) -> int:
         """Everything a model holds on this pool's nodes: what it gives up when it yields (KEDA
         scales a model to zero, every replica at once)."""
-        return sum(p.units for p in self.bound if p.service == service)
+        return self._units[1][service]
 
     def free(self, node: str) -> int:
-        return self.nodes[node].units - sum(p.units for p in self.bound if p.node == node)
+        return self.nodes[node].units - self._units[2][node]
+
+    def nodes_held_by(self, service: str) -> list[str]:
+        """This pool's nodes where the model has Pods bound (any units), in the order first seen."""
+        return self._units[3].get(service, [])
 
 
 def read_facts(resource: str, nodes: tuple[Node, ...], pods: list[Pod], models: list[Model], *, now: str = "",
@@ -225,7 +247,7 @@ def holders(facts: Facts, used: set[str]) -> tuple[dict[str, list[tuple[Model, i
     on: dict[str, list[tuple[Model, int]]] = {name: [] for name in facts.nodes}
     back: list[str] = []
     for m in sorted(facts.models.values(), key=lambda m: (m.last_active, m.scaled_object)):
-        for name in facts.nodes:
+        for name in facts.nodes_held_by(m.service):
             held = facts.held_by(m.service, name)
             if held <= 0:
                 continue
