@@ -20,6 +20,7 @@ from hooks.api.status import Condition, _StatusModel
 RESOURCE_NAME_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 ResourceName = Annotated[str, Field(pattern=RESOURCE_NAME_RE, max_length=253)]
 MAX_YIELD_AFTER_SECONDS = 3600
+DEFAULT_YIELD_AFTER = "60s"
 
 _CONDITION_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 
@@ -37,7 +38,7 @@ class AcceleratorPoolSpec(ApiModel):
         description="Labels of the nodes that form the pool; empty: every node that offers resourceName.",
     )
     yield_after: Duration = Field(
-        default="60s",
+        default=DEFAULT_YIELD_AFTER,
         description="How long a model must have been idle (KEDA's lastActiveTime) before it gives its accelerators "
         "to a waiting model. Bounds thrash: two models alternating on one accelerator swap at most once per "
         "yieldAfter. 0s evicts an idle model as soon as a waiter needs it; a value at or above a model's own "

@@ -26,6 +26,7 @@ from hooks.config import HookConfig, resolve
 from hooks.controller import coldstart
 from hooks.controller import observe as obs
 from hooks.controller.customize import POOL_RULE, gateway_rule, runtime_rule
+from hooks.controller.pool_facts import condition
 from hooks.controller.status import POOL_GROUP
 from hooks.controller.sync import gateway_gone, namespace_of, parse_service, resolve_runtime
 from hooks.resources import autoscaling, names
@@ -66,17 +67,11 @@ GHOST_COOLDOWN_SECONDS = 5
 _UNSCHEDULED = frozenset({Reason.UNSCHEDULABLE, Reason.WAITING_FOR_ACCELERATOR})
 
 
-def _condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
-    status = (obj or {}).get("status")
-    conds = status.get("conditions") if isinstance(status, dict) else None
-    return next((c for c in conds if isinstance(c, dict) and c.get("type") == ctype), {}) if isinstance(conds, list) else {}
-
-
 def is_ghost(obj: dict[str, Any], scaled_object: dict[str, Any] | None) -> bool:
     """No demand by KEDA's record, and the backend's replica still unscheduled (never Ready since it
     was asked for): the request that woke it has ended."""
-    no_demand = _condition(scaled_object, "Active").get("status") == "False"
-    backend = _condition(obj, "BackendReady")
+    no_demand = condition(scaled_object or {}, "Active").get("status") == "False"
+    backend = condition(obj, "BackendReady")
     return no_demand and backend.get("status") == "False" and backend.get("reason") in _UNSCHEDULED
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hooks.api.common import API_VERSION, duration_seconds
-from hooks.api.pool import AcceleratorPool
+from hooks.api.pool import DEFAULT_YIELD_AFTER, AcceleratorPool
 from hooks.config import HookConfig, resolve
 from hooks.controller import observe as obs
 from hooks.controller import status as st
@@ -108,7 +108,7 @@ def _pool_view(obj: dict[str, Any], node_objs: list[dict[str, Any]]) -> PoolView
         if node is not None and node.units > 0 and all(node.labels.get(k) == v for k, v in selector.items()):
             nodes.append(node)
     try:
-        yield_after = duration_seconds(spec.get("yieldAfter") or "60s")
+        yield_after = duration_seconds(spec.get("yieldAfter") or DEFAULT_YIELD_AFTER)
     except (TypeError, ValueError):
         yield_after = 0.0
     return PoolView(name=str(meta.get("name", "")), resource=resource, created=str(meta.get("creationTimestamp", "")),
