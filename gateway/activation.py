@@ -44,7 +44,13 @@ class Activation:
         probe_interval: float,
         warm_probe_interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        settled: Callable[[], bool] | None = None,
+        room: Callable[[], bool] | None = None,
+        room_event: gevent.event.Event | None = None,
     ) -> None:
+        """``settled``: the backend has no Pod starting (else the prober keeps its cold cadence while
+        ready, so a Pod turning ready is found at once); ``room``/``room_event``: whether a held
+        request may be released now (gateway.backends' cold batch) and the event set when it may."""
         self.clock = clock
         self.metrics = metrics
         self.pod: PodState = metrics.pod
@@ -56,8 +62,11 @@ class Activation:
         self.readiness = BackendReadiness()
         # Set while the backend is believed ready: waiters block on it (with their own deadline).
         self.ready_event = gevent.event.Event()
+        self.has_room = room or (lambda: True)
+        self.room_event = room_event if room_event is not None else gevent.event.Event()
+        settle = settled or (lambda: True)
         self.prober = ReadinessProber(
-            probe, self.report_probe, self.wanted, lambda: self.readiness.ready,
+            probe, self.report_probe, self.wanted, lambda: self.readiness.ready and settle(),
             interval_cold=probe_interval, interval_warm=max(probe_interval, warm_probe_interval),
         )
         self.withdrawn = False

@@ -62,8 +62,13 @@ def _wait(activation: Activation, deadline: float, until: float, conn: ClientCon
     while True:
         if activation.aborted:
             return WaitOutcome.ABORTED
+        # Ready, and a Pod has room for a held request (the cold batch, gateway.backends): else wait
+        # for the one that is missing.
+        event = activation.ready_event
         if activation.ready:
-            return WaitOutcome.READY
+            if activation.has_room():
+                return WaitOutcome.READY
+            event = activation.room_event
         if conn is not None and conn.gone:
             return WaitOutcome.CLIENT_GONE
         now = activation.clock()
@@ -73,9 +78,9 @@ def _wait(activation: Activation, deadline: float, until: float, conn: ClientCon
             return WaitOutcome.PENDING
         wake = conn.wake if conn is not None else None
         if wake is None:
-            activation.ready_event.wait(min(deadline, until) - now)
+            event.wait(min(deadline, until) - now)
         else:
-            gevent.wait([activation.ready_event, wake], timeout=min(deadline, until) - now, count=1)
+            gevent.wait([event, wake], timeout=min(deadline, until) - now, count=1)
 
 
 def hold_silently(activation: Activation, deadline: float, conn: ClientConnection) -> WaitOutcome:

@@ -92,6 +92,19 @@ class GatewayConfig:
     # A shared gateway: the models come from this file (gateway.modeltable), and backend_url /
     # served_model_name are not used.
     model_table_file: str | None = None
+    # Where the backend's Pods come from (gateway.backends): ``service``, the backend URL's address
+    # only (kube-proxy picks a Pod per connection); ``endpointslices``, a watch of the backend
+    # Service's EndpointSlices with the Pod's service account, balancing per Pod.
+    endpoint_source: str = "service"
+    service_account_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"
+    # Balancing over Pods (gateway.balance): prefix affinity with bounded load, and the cold batch.
+    prefix_affinity: bool = True
+    affinity_prefix_bytes: int = 256
+    affinity_load_factor: float = 1.25
+    pod_batch: int = 8
+    # Behind a Service address: a pooled connection's life, so kube-proxy's per-connection choice
+    # reaches new Pods within this (0 = connections live as long as they are reused).
+    upstream_max_connection_age_seconds: float = 5.0
 
     @property
     def connections_per_address(self) -> int:
@@ -221,6 +234,22 @@ def _backend_url(v: str) -> str:
     return v
 
 
+def _boolean(v: str) -> bool:
+    v = v.strip().lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise ValueError("must be true or false")
+
+
+def _load_factor(v: str) -> float:
+    x = _pos_float(v)
+    if x < 1:
+        raise ValueError("must be >= 1 (1: every Pod at most the mean load, rounded up)")
+    return x
+
+
 def _probe_interval(v: str) -> float:
     x = _pos_float(v)
     if x > 0.2:
@@ -278,6 +307,13 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "log_level": _choice("debug", "info", "warning", "error"),
     "gateway_workers": _pos_int,
     "model_table_file": _text,
+    "endpoint_source": _choice("service", "endpointslices"),
+    "service_account_dir": _text,
+    "prefix_affinity": _boolean,
+    "affinity_prefix_bytes": _pos_int,
+    "affinity_load_factor": _load_factor,
+    "pod_batch": _pos_int,
+    "upstream_max_connection_age_seconds": _nonneg_float,
 }
 
 _HELP = {
@@ -304,6 +340,13 @@ _HELP = {
     "max_connections_per_address": "open public connections one client address may hold per worker (429 beyond); "
                                    "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
+    "endpoint_source": "service (the backend URL's address) or endpointslices (watch the backend Service's Pods "
+                       "and balance over them; needs a service account that may list and watch EndpointSlices)",
+    "prefix_affinity": "true: requests with a prompt_cache_key or a common prompt beginning go to one Pod "
+                       "(bounded load); false: fewest outstanding requests",
+    "pod_batch": "held requests one Pod takes while other Pods of the model are still starting",
+    "upstream_max_connection_age_seconds": "behind a Service address, a pooled backend connection's life "
+                                           "(0 = unbounded)",
 }
 
 

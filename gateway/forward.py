@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from gateway.errors import ERRORS, backend_failure, sse_error_frame
 from gateway.metrics import GatewayMetrics
-from gateway.relay import UpstreamConnection, UpstreamFailed, UpstreamPool, read_more
+from gateway.relay import UpstreamConnection, UpstreamFailed, read_more
 from gateway.server import ClientConnection, ClientGone
 from gateway.wire import LAST_CHUNK, ResponseHead, chunk, response_head
 
@@ -36,15 +36,14 @@ def _chunks(pieces: list[bytes]) -> bytes:
 
 
 class ClientRelay:
-    def __init__(self, pool: UpstreamPool, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
-        self.pool = pool
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float]) -> None:
         self.metrics = metrics
         self.clock = clock
 
     def _done_with(self, upstream: UpstreamConnection, response: ResponseHead) -> None:
-        """Pool a connection whose answer was read to its end; close any other."""
-        if upstream.parser.complete and response.keep_alive:
-            self.pool.release(upstream)
+        """Back to its pool a connection whose answer was read to its end; close any other."""
+        if upstream.parser.complete and response.keep_alive and upstream.home is not None:
+            upstream.home.release(upstream)
         else:
             upstream.close()
 

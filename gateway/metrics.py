@@ -51,6 +51,8 @@ PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120,
 # Time to first token as the client saw it: both a warm answer (milliseconds) and a cold one (minutes).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600, 900)
 TTFT_STARTS = ("warm", "cold")
+# How a request balanced over several backend Pods was placed (gateway.balance.Choice.affinity).
+AFFINITY_OUTCOMES = ("hit", "spill", "none")
 
 # Cell offsets inside a worker's row (after the demand fields).
 _CODES = METRIC_CELLS  # 600 cells: requests by status code 0..599 (0 = out of range)
@@ -63,7 +65,9 @@ _PHASE_STRIDE = len(PHASE_BUCKETS) + 4
 _TTFT = _PHASES + len(ACTIVATION_PHASES) * _PHASE_STRIDE
 _TTFT_STRIDE = len(TTFT_BUCKETS) + 4
 _PROTOCOL = _TTFT + len(TTFT_STARTS) * _TTFT_STRIDE
-_END = _PROTOCOL + len(PROTOCOL_ERRORS)
+_AFFINITY = _PROTOCOL + len(PROTOCOL_ERRORS)
+_READY_LEAD = _AFFINITY + len(AFFINITY_OUTCOMES)
+_END = _READY_LEAD + len(PHASE_BUCKETS) + 4
 assert _END <= ROW_CELLS and len(REJECTION_REASONS) <= _COLD - _REASONS
 
 
@@ -120,6 +124,9 @@ class GatewayMetrics:
         self.ttft_warm, self.ttft_cold = (Histogram(cells, base + _TTFT + i * _TTFT_STRIDE, TTFT_BUCKETS)
                                           for i in range(len(TTFT_STARTS)))
         self._protocol = {reason: Counter(cells, base + _PROTOCOL + i) for i, reason in enumerate(PROTOCOL_ERRORS)}
+        self._affinity = {outcome: Counter(cells, base + _AFFINITY + i) for i, outcome in enumerate(AFFINITY_OUTCOMES)}
+        self.ready_lead = Histogram(cells, base + _READY_LEAD, PHASE_BUCKETS)
+        self.backend_pods = self.pod.backend_pods.row(self.row.index)
         self._accelerators = accelerators
         self._registry: CollectorRegistry | None = None
 
@@ -145,6 +152,10 @@ class GatewayMetrics:
     def upstream_protocol_error(self, reason: str) -> None:
         """A backend response refused as malformed (``reason`` from ``gateway.wire.PROTOCOL_ERRORS``)."""
         self._protocol[reason].inc()
+
+    def placed(self, outcome: str) -> None:
+        """A request balanced over several Pods: ``hit``, ``spill`` or ``none`` (AFFINITY_OUTCOMES)."""
+        self._affinity[outcome].inc()
 
     def set_backend_ready(self, ready: bool) -> None:
         self.row.set_flag(BACKEND_READY, ready)
@@ -244,6 +255,7 @@ class _PodCollector:
                              "From a request's arrival to the first byte of the backend's answer leaving the gateway "
                              "(heartbeats excluded); start=cold when it waited for the backend.",
                              "start", TTFT_STARTS, _TTFT, _TTFT_STRIDE, TTFT_BUCKETS)
+        yield from self._backend_pods()
         yield GaugeMetricFamily("noctaya_gateway_backend_accelerators_per_replica",
                                 "Accelerators one backend replica requests (for accelerator-hours).",
                                 value=self.accelerators)
@@ -251,6 +263,33 @@ class _PodCollector:
             from scaler.tls import certificate_family
 
             yield certificate_family({"scaler": pod.scaler_certificate_not_after})
+
+
+    def _backend_pods(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        pods = self.pod.backend_pods.totals()
+        outstanding = GaugeMetricFamily("noctaya_gateway_backend_pod_outstanding_requests",
+                                        "Requests sent to a backend Pod and not finished (balanced per Pod).",
+                                        labels=["pod"])
+        sent = CounterMetricFamily("noctaya_gateway_backend_pod_requests",
+                                   "Requests sent to a backend Pod since it was first listed.", labels=["pod"])
+        for name, (now, total) in sorted(pods.items()):
+            outstanding.add_metric([name], now)
+            sent.add_metric([name], total)
+        yield outstanding
+        yield sent
+        affinity = CounterMetricFamily("noctaya_gateway_affinity_requests",
+                                       "Requests balanced over several backend Pods, by placement: hit (the "
+                                       "affinity key's home Pod), spill (another, the home over its load bound), "
+                                       "none (no key, or affinity off).", labels=["outcome"])
+        for i, outcome in enumerate(AFFINITY_OUTCOMES):
+            affinity.add_metric([outcome], self.pod.total(_AFFINITY + i))
+        yield affinity
+        yield self._histogram("noctaya_gateway_backend_pod_ready_lead_seconds",
+                              "How long a backend Pod answered the gateway's own readiness probe before its "
+                              "EndpointSlice said Ready (the kubelet's probe and the endpoints' update).",
+                              _READY_LEAD, PHASE_BUCKETS)
 
 
 def _fmt(bound: float) -> str:

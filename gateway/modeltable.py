@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from typing import Any
 from gateway.auth import MAX_KEY_FILES
 from gateway.config import ConfigError, GatewayConfig, parse_field
 from scaler.secretfiles import file_stamp
+
+log = logging.getLogger("noctaya.gateway")
 
 __all__ = ["MODEL_FIELDS", "LIST_FIELDS", "MEMBER_FIELD", "SCALED_OBJECT_FIELD", "MAX_MODELS", "ModelTable", "ModelTableFile", "TableChange", "parse_model_table"]
 
@@ -212,6 +215,41 @@ def _identity(entry: dict[str, Any], key: str, index: int) -> str | None:
     return value
 
 
+# Beside the table, optional: per model balancing over its backend Pods (gateway.backends), written by
+# the hooks only when a member sets one. A file of its own, not fields of the table: gateways of the
+# release before refuse a table entry with a field they do not know, and ignore this file.
+BALANCING_FILE = "balancing.json"
+BALANCING_FIELDS: dict[str, str] = {"prefixAffinity": "prefix_affinity", "coldBatchPerPod": "pod_batch"}
+MAX_BALANCING_BYTES = 256 * 1024
+
+
+def apply_balancing(table: ModelTable, data: bytes) -> tuple[ModelTable, str | None]:
+    """The table with ``balancing.json``'s settings applied to the models it names; and what was
+    wrong with it, if anything (then nothing of it is applied: these are hints, never a reason to
+    refuse the table). Models it names that the table lacks, and fields it does not know, are
+    ignored (a newer release may write more)."""
+    try:
+        doc = json.loads(data) if len(data) <= MAX_BALANCING_BYTES else None
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("models"), dict):
+        return table, f'{BALANCING_FILE} is not an object with a "models" object (or too large): ignored'
+    models = dict(table.models)
+    for name, settings in doc["models"].items():
+        if name not in models or not isinstance(settings, dict):
+            continue
+        values = {}
+        for key, field in BALANCING_FIELDS.items():
+            if key in settings:
+                raw = settings[key]
+                try:
+                    values[field] = parse_field(field, str(raw).lower() if isinstance(raw, bool) else str(raw))
+                except ValueError as exc:
+                    return table, f"{BALANCING_FILE}: {name[:40]!r}.{key}: {exc}: ignored"
+        models[name] = dataclasses.replace(models[name], **values)
+    return dataclasses.replace(table, models=models), None
+
+
 class ModelTableFile:
     """The mounted table, reread when its file changes. :meth:`poll` is cheap (one ``stat``) when
     nothing changed; a table that does not parse leaves the last good one in force and is reported
@@ -223,11 +261,13 @@ class ModelTableFile:
         self.table: ModelTable | None = None
         self.error: str | None = None
         self._stamp: tuple[tuple[int, int, int], ...] | None = None
+        self.balancing_error: str | None = None  # what was wrong with balancing.json (logged once)
 
     def poll(self) -> ModelTable | None:
-        """A new table when the file changed and parses, else None."""
+        """A new table when the file (or the balancing file beside it) changed and parses, else None."""
+        balancing = os.path.join(os.path.dirname(self.path), BALANCING_FILE)
         try:
-            stamp = file_stamp(self.path)
+            stamp = file_stamp(self.path) + (file_stamp(balancing) if os.path.exists(balancing) else ())
         except OSError as exc:
             self._refused(None, f"{self.path}: {exc.strerror or exc}")
             return None
@@ -237,6 +277,7 @@ class ModelTableFile:
             with open(self.path, "rb") as fh:
                 data = fh.read(MAX_TABLE_BYTES + 1)
             table = parse_model_table(data, self.base)
+            table = self._with_balancing(table, balancing)
         except OSError as exc:
             self._refused(stamp, f"{self.path}: {exc.strerror or exc}")
             return None
@@ -244,6 +285,18 @@ class ModelTableFile:
             self._refused(stamp, str(exc))
             return None
         self._stamp, self.error, self.table = stamp, None, table
+        return table
+
+    def _with_balancing(self, table: ModelTable, path: str) -> ModelTable:
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(MAX_BALANCING_BYTES + 1)
+        except FileNotFoundError:
+            return table
+        table, problem = apply_balancing(table, data)
+        if problem is not None and problem != self.balancing_error:
+            log.warning("balancing settings ignored", extra={"error": problem})
+        self.balancing_error = problem
         return table
 
     def _refused(self, stamp: tuple[tuple[int, int, int], ...] | None, error: str) -> None:

@@ -23,7 +23,7 @@ import socket as std_socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gevent.socket
 from gevent.hub import Waiter
@@ -150,11 +150,16 @@ class UpstreamConnection:
     """One keep-alive connection to the backend. ``deadline`` (monotonic) bounds the current
     blocking operation; the watchdog shuts the socket down once it passes."""
 
-    __slots__ = ("sock", "raw", "parser", "deadline", "idle_timeout", "broken", "_poll", "reader", "on_protocol_error")
+    __slots__ = ("sock", "raw", "parser", "deadline", "idle_timeout", "broken", "_poll", "reader", "on_protocol_error",
+                 "home", "pod", "born", "uses")
 
     def __init__(self, sock: gevent.socket.socket, idle_timeout: float,
-                 on_protocol_error: Callable[[str], None] | None = None) -> None:
+                 on_protocol_error: Callable[[str], None] | None = None, home: UpstreamPool | None = None) -> None:
         self.sock = sock
+        self.home = home  # the pool it returns to
+        self.pod: Any = None  # the backend Pod it reaches (gateway.backends), None: the Service address
+        self.born = time.monotonic()
+        self.uses = 0  # requests sent on it
         self.on_protocol_error = on_protocol_error  # called with the reason of a refused response
         self.raw: std_socket.socket = sock._sock  # the OS socket under gevent's wrapper
         self.parser = UpstreamParser()
@@ -194,16 +199,26 @@ class UpstreamConnection:
 class UpstreamPool:
     """LIFO pool of idle keep-alive connections to one backend (at most ``max_idle``).
     ``on_protocol_error`` is called with the reason whenever a response on one of its connections
-    is refused as malformed (the app counts them)."""
+    is refused as malformed (the app counts them).
+
+    ``max_age`` (seconds) and ``max_requests`` bound one connection's life (Envoy's
+    ``max_connection_duration`` and ``max_requests_per_connection``): behind a Service address,
+    kube-proxy picks a Pod once per connection, so a pool whose connections live forever keeps
+    every request on the Pods it first reached; with a bounded life new Pods get their share
+    within ``max_age``. A Pod's own pool (gateway.backends) needs neither."""
 
     def __init__(self, host: str, port: int, *, connect_timeout: float, idle_timeout: float,
-                 max_idle: int = 256, on_protocol_error: Callable[[str], None] | None = None) -> None:
+                 max_idle: int = 256, on_protocol_error: Callable[[str], None] | None = None,
+                 max_age: float | None = None, max_requests: int | None = None) -> None:
         self.host = host
         self.port = port
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self.max_idle = max_idle
         self.on_protocol_error = on_protocol_error
+        self.max_age = max_age
+        self.max_requests = max_requests
+        self.opened = 0  # connections opened for requests (not probes): tests, /noctaya/queue
         self._idle: deque[UpstreamConnection] = deque()
         self._closed = False
         self._address: tuple[str, int] | None = None
@@ -235,7 +250,12 @@ class UpstreamPool:
             sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        return UpstreamConnection(sock, self.idle_timeout, self.on_protocol_error)
+        return UpstreamConnection(sock, self.idle_timeout, self.on_protocol_error, self)
+
+    def _expired(self, conn: UpstreamConnection) -> bool:
+        if self.max_requests is not None and conn.uses >= self.max_requests:
+            return True
+        return self.max_age is not None and time.monotonic() - conn.born >= self.max_age
 
     def acquire(self) -> UpstreamConnection:
         idle = self._idle
@@ -243,14 +263,18 @@ class UpstreamPool:
             conn = idle.pop()
             # Checked every time: a backend that just stopped (scale to zero) closes every pooled
             # connection, and a request sent on one would fail after its bytes left (502, no replay).
-            if conn.stale():
+            if conn.stale() or (self.max_age is not None and self._expired(conn)):
                 conn.close()
                 continue
             return conn
-        return self.connect()
+        conn = self.connect()
+        self.opened += 1
+        return conn
 
     def release(self, conn: UpstreamConnection) -> None:
-        if self._closed or conn.broken or len(self._idle) >= self.max_idle:
+        conn.uses += 1
+        if self._closed or conn.broken or len(self._idle) >= self.max_idle or (
+                (self.max_age is not None or self.max_requests is not None) and self._expired(conn)):
             conn.close()
         else:
             conn.parser.reset()

@@ -34,7 +34,9 @@ from gateway import cold
 from gateway import metrics as metrics_module
 from gateway.activation import Activation
 from gateway.auth import KeyFileAuthenticator
+from gateway.backends import Backends
 from gateway.config import GatewayConfig
+from gateway.endpointslices import EndpointFeed
 from gateway.errors import ERRORS, NO_RETRY, GatewayError, backend_failure, error_body, sse_error_frame
 from gateway.forward import ClientRelay
 from gateway.metrics import REJECTION_REASONS, GatewayMetrics
@@ -43,8 +45,6 @@ from gateway.relay import (
     ConnectFailed,
     UpstreamConnection,
     UpstreamFailed,
-    UpstreamPool,
-    probe_readiness,
     read_response_head,
     send_request,
 )
@@ -58,7 +58,7 @@ from gateway.server import (
 )
 from gateway.state.admission import BodyReservation, Ticket
 from gateway.state.pod import IN_FLIGHT, QUEUED, PodState
-from gateway.state.readiness import ProbeResult
+from gateway.state.readiness import ProbeResult  # noqa: F401 - re-exported for tests
 from gateway.state.uploads import UploadBudget, UploadRefused, UploadReservation
 from gateway.timing import RequestTiming, produces_tokens
 from gateway.wire import LAST_CHUNK, BadRequest, RequestHead, ResponseHead, chunk, connection_tokens, response_head
@@ -241,22 +241,21 @@ class GatewayApp(AnswersHere):
     """One worker's handler. Construct inside the hub thread that will serve it."""
 
     def __init__(self, config: GatewayConfig, *, pod: PodState | None = None, worker: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, feed: EndpointFeed | None = None,
+                 namespace: str = "") -> None:
         self.config = config
         self.clock = clock
         self.pod = pod if pod is not None else PodState(1, config.max_queue, config.max_held_body_bytes)
         self.metrics = GatewayMetrics(self.pod, worker, config.backend_accelerators)
-        self.pool = UpstreamPool(
-            config.backend_host, config.backend_port,
-            connect_timeout=config.upstream_connect_timeout_seconds,
-            idle_timeout=config.upstream_idle_timeout_seconds,
-            on_protocol_error=self.metrics.upstream_protocol_error,
-        )
-        self.relay = ClientRelay(self.pool, self.metrics, clock)
+        # The backend side: its Pods (balanced, each with a pool) or the Service address.
+        self.backends = Backends(config, self.metrics, clock=clock, on_change=self._pods_changed)
+        self.pool = self.backends.service
+        self.relay = ClientRelay(self.metrics, clock)
         self.activation = Activation(
             max_queue=config.max_queue, max_held_bytes=config.max_held_body_bytes,
             activation_timeout=config.activation_timeout_seconds, ready_grace=config.ready_grace_seconds,
-            metrics=self.metrics, probe=self._probe, probe_interval=config.probe_interval_seconds, clock=clock,
+            metrics=self.metrics, probe=self.backends.probe, probe_interval=config.probe_interval_seconds, clock=clock,
+            settled=lambda: self.backends.settled, room=self.backends.has_room, room_event=self.backends.room,
         )
         self.auth = KeyFileAuthenticator(config.key_files) if config.key_files else None
         self.draining = False
@@ -269,6 +268,7 @@ class GatewayApp(AnswersHere):
         self.uploads = UploadBudget(config.upload_bytes, config.upload_bytes_per_address)
         self._routes = {"health": self._health, "metrics": self._metrics, "queue": self._queue,
                         "models": self._models, "forward": self._forward_request}
+        self.backends.follow(feed, namespace)
 
     # -- lifecycle, as GatewayServer and Drainer use it (a shared gateway's app has the same) -------
     def background(self) -> list[Callable[[], None]]:
@@ -277,7 +277,17 @@ class GatewayApp(AnswersHere):
 
     def close(self) -> None:
         self.activation.prober.stop()
-        self.pool.close()
+        self.backends.close()
+
+    def _pods_changed(self) -> None:
+        """The endpoint source changed the backend's Pods: readiness follows at once (a held
+        request is released the moment a Pod may take it), and starting Pods are probed."""
+        activation = getattr(self, "activation", None)
+        if activation is None:  # the first delivery comes while the app is being built
+            return
+        if self.backends.pods is not None:
+            activation.report_probe(self.backends.verdict())
+        activation.prober.hurry()
 
     @property
     def admitted(self) -> int:
@@ -305,10 +315,6 @@ class GatewayApp(AnswersHere):
 
     def _model_object(self) -> dict:
         return {"id": self._model, "object": "model", "created": 0, "owned_by": "noctaya"}
-
-    def _probe(self) -> ProbeResult:
-        return probe_readiness(self.pool, self.config.backend_base_path + self.config.readiness_path,
-                               self.config.backend_netloc, self.config.probe_timeout_seconds)
 
     # -- dispatch --------------------------------------------------------------------------------
     def handle(self, conn: ClientConnection, head: RequestHead) -> bool:
@@ -352,6 +358,7 @@ class GatewayApp(AnswersHere):
                 "remainingSeconds": None if timer is None else round(max(0.0, timer - a.clock()), 3),
             },
             "backendReady": a.ready,
+            "backend": self.backends.describe(),
             "draining": self.draining,
             "demand": {"total": demand.total, "active": demand.active},
         }).encode()
@@ -363,16 +370,17 @@ class GatewayApp(AnswersHere):
         if self.activation.ready:
             conn.timing.start(head.arrived, False)  # a listing has no first token
             try:
-                upstream = self.pool.acquire()
+                upstream = self._acquire(conn, b"")
             except ConnectFailed:
-                self.pool.clear()
+                self.backends.connect_failed()
                 self.activation.backend_unreachable()
             else:
+                assert upstream is not None  # acquire returns None only for a held request
                 try:
                     send_request(upstream, self._upstream_head(conn, head, 0), clock=self.clock)
                     response = read_response_head(upstream, conn, clock=self.clock)
                 except UpstreamFailed:
-                    pass  # the listing is static knowledge: answer it ourselves
+                    self._finish(conn)  # the listing is static knowledge: answer it ourselves
                 else:
                     return self._relay(conn, head, upstream, response, None)
         path = head.path
@@ -459,24 +467,39 @@ class GatewayApp(AnswersHere):
         self.activation.traffic()
         try:
             try:
-                upstream = self.pool.acquire()
+                upstream = self._acquire(conn, body.data)
             except ConnectFailed:
                 # Nothing sent: the backend is gone (scaled to zero). Become a cold request, keeping the slot.
                 self._backend_gone(ticket)
                 return self._cold(conn, head, body, ticket)
+            assert upstream is not None  # acquire returns None only for a held request
             response = self._send(conn, head, body, upstream)
         except UpstreamFailed as exc:
+            self._finish(conn)
             ticket.release()
             return self._failed_before_answer(conn, exc)
         except BaseException:
+            self._finish(conn)
             ticket.release()
             raise
         return self._relay(conn, head, upstream, response, ticket)
 
+    def _acquire(self, conn: ClientConnection, body: bytes, cold: bool = False) -> UpstreamConnection | None:
+        """A backend connection for the request on ``conn``, counted on its Pod until ``_finish``."""
+        upstream = self.backends.acquire(body, cold=cold)
+        if upstream is not None:
+            conn.backend_pod = upstream.pod
+        return upstream
+
+    def _finish(self, conn: ClientConnection) -> None:
+        """The request on ``conn`` is done with its backend Pod (once, whichever path ends it)."""
+        pod, conn.backend_pod = conn.backend_pod, None
+        self.backends.finish(pod)
+
     def _backend_gone(self, ticket: Ticket) -> None:
         """A connect failed before any byte was sent: drop pooled connections, mark the backend cold
         (which starts or extends the lease) and put the request back in the queue, keeping its slot."""
-        self.pool.clear()
+        self.backends.connect_failed()
         self.activation.backend_unreachable()
         ticket.requeue()
 
@@ -487,6 +510,7 @@ class GatewayApp(AnswersHere):
             return self.relay.relay(conn, head.method, upstream, response, self._first_byte)
         finally:
             conn.upstream = None
+            self._finish(conn)
             if ticket is not None:
                 ticket.release()
 
@@ -533,19 +557,27 @@ class GatewayApp(AnswersHere):
                 return self._keepalive(conn, head, body, ticket, deadline)
             return self._hold(conn, head, body, ticket, deadline)
         finally:
+            self._finish(conn)  # a committed stream's Pod (a relayed answer's was finished already)
             ticket.release()
             conn.disarm_watch()
 
     def _attempt(self, conn: ClientConnection, head: RequestHead, body: RequestBody,
                  ticket: Ticket) -> tuple[UpstreamConnection, ResponseHead] | None:
-        """One forwarding attempt once the backend looks ready; None = connect failed (re-hold)."""
-        ticket.start()
+        """One forwarding attempt once the backend looks ready and has room; None = connect failed or
+        the cold batch left no room (re-hold)."""
         try:
-            upstream = self.pool.acquire()
+            upstream = self._acquire(conn, body.data, cold=True)
         except ConnectFailed:
             self._backend_gone(ticket)
             return None
-        return upstream, self._send(conn, head, body, upstream)
+        if upstream is None:  # every ready Pod has its batch while others are starting: wait for room
+            return None
+        ticket.start()
+        try:
+            return upstream, self._send(conn, head, body, upstream)
+        except BaseException:
+            self._finish(conn)
+            raise
 
     def _hold(self, conn: ClientConnection, head: RequestHead, body: RequestBody, ticket: Ticket,
               deadline: float) -> bool:

@@ -141,7 +141,7 @@ class ClientConnection:
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
                  "request_deadline", "timed_out", "clock", "pace", "body_cap", "progress", "waiting_since",
-                 "upstream", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
+                 "upstream", "backend_pod", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
                  "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
@@ -165,6 +165,7 @@ class ClientConnection:
         self.clock = clock
         self.waiting_since: float | None = None  # set while awaiting the backend's response head
         self.upstream: UpstreamConnection | None = None  # the backend connection in use
+        self.backend_pod: Any = None  # the backend Pod the current request is counted on (gateway.backends)
         self.watching = False  # hang-up detection armed (see arm_watch)
         self.polled = False  # the read watcher cannot tell (pipelined bytes, half-close): the watchdog polls
         self.gone = False

@@ -32,6 +32,7 @@ import gevent
 from gateway import metrics as metrics_module
 from gateway.auth import KeyIndex, bearer_token
 from gateway.config import GatewayConfig
+from gateway.endpointslices import EndpointFeed
 from gateway.filewatch import DirectoryWatch, watch_directory
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics
@@ -85,7 +86,10 @@ class SharedGatewayApp(AnswersHere):
 
     def __init__(self, config: GatewayConfig, table: ModelTable, *, table_file: ModelTableFile | None = None,
                  demand: ModelDemand | None = None, reload_seconds: float = RELOAD_SECONDS,
-                 clock: Callable[[], float] = time.monotonic, pod: PodState | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, pod: PodState | None = None,
+                 feed: EndpointFeed | None = None, namespace: str = "") -> None:
+        self.feed = feed  # every model's backend Pods, one watch for the namespace (gateway.backends)
+        self.namespace = namespace
         self.demand = demand  # each model's demand for the scaler (None: not published, tests)
         self.table_file = table_file
         self.reload_seconds = reload_seconds
@@ -115,7 +119,7 @@ class SharedGatewayApp(AnswersHere):
     def _new_app(self, model: GatewayConfig) -> GatewayApp:
         name = model.served_model_name
         pod = self.demand.pod_for(name, model.max_queue) if self.demand else PodState(1, model.max_queue, None)
-        return GatewayApp(model, pod=pod, clock=self.clock)
+        return GatewayApp(model, pod=pod, clock=self.clock, feed=self.feed, namespace=self.namespace)
 
     def _close(self, app: GatewayApp) -> None:
         for greenlet in self._tasks.pop(id(app), []):

@@ -38,9 +38,11 @@ from typing import Any
 
 import gevent
 
+from gateway.backends import endpoint_feed
 from gateway.cgroup import cgroup_root, default_workers
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.drain import Drainer
+from gateway.endpointslices import EndpointFeed
 from gateway.logs import configure_logging
 from gateway.routes import GatewayApp
 from gateway.server import GatewayServer, ServedApp, listen_socket, reseed_request_ids
@@ -83,13 +85,16 @@ Listeners = tuple[std_socket.socket, std_socket.socket]  # (public, admin) of on
 
 
 def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listeners: Listeners, *, forked: bool = True,
-               app_factory: Callable[[], ServedApp] | None = None) -> int:
+               app_factory: Callable[[EndpointFeed | None, str], ServedApp] | None = None) -> int:
     """Body of a worker (forked, or the one-worker Pod's only process): serve until SIGTERM has
-    drained it. ``app_factory``: another app than one model's (a shared gateway's)."""
+    drained it. ``app_factory(feed, namespace)``: another app than one model's (a shared gateway's).
+    Each worker watches the backend's Pods itself (its own thread) and balances its own requests."""
     if forked:
         gevent.reinit()
         reseed_request_ids()  # forked workers must not hand out the same ids
-    app = app_factory() if app_factory is not None else GatewayApp(config, pod=pod, worker=index)
+    feed, namespace = endpoint_feed(config)
+    app = app_factory(feed, namespace) if app_factory is not None else GatewayApp(
+        config, pod=pod, worker=index, feed=feed, namespace=namespace)
     public, admin = listeners
     server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
     server.start()
@@ -104,6 +109,8 @@ def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listener
     # collection every 700 allocations only costs tail latency. Collect far less often.
     gc.set_threshold(GC_THRESHOLD, 50, 100)
     drainer.done.wait()
+    if feed is not None:
+        feed.close()
     return 0
 
 
@@ -380,8 +387,8 @@ def run_shared(config: GatewayConfig) -> int:
     sampler = ModelsSampler(demand).start()
     log.info("shared gateway listening", extra={"port": listeners[0].getsockname()[1], "models": len(table.models)})
     try:
-        return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda: SharedGatewayApp(
-            config, table, table_file=table_file, demand=demand, pod=pod))
+        return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda feed, namespace: SharedGatewayApp(
+            config, table, table_file=table_file, demand=demand, pod=pod, feed=feed, namespace=namespace))
     finally:
         _shut_down(steps, sampler)
 

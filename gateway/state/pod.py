@@ -36,6 +36,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Self
 
+from gateway.state.podtable import PodTable
 from scaler.demand import Demand
 
 __all__ = ["PodState", "Row", "DemandSampler"]
@@ -77,6 +78,8 @@ class PodState:
         self._map = mmap.mmap(-1, (workers + 1) * ROW_CELLS * 8)
         self.cells = memoryview(self._map).cast("d")
         self._pod = workers * ROW_CELLS
+        # Per backend Pod counters of each worker (gateway.backends balances per worker).
+        self.backend_pods = PodTable(workers)
 
     # -- admission (any worker) --------------------------------------------------------------
     def try_take_slot(self) -> bool:
@@ -203,6 +206,7 @@ class PodState:
             self._lock.release()
         for field in (QUEUED, IN_FLIGHT, LEASE_ACTIVE, BACKEND_READY, ALIVE):
             cells[base + field] = 0.0
+        self.backend_pods.clear(index)
         return tickets, int(held)
 
     def _lock_after_a_death(self, patience: float = LOCK_PATIENCE_SECONDS) -> None:

@@ -1,9 +1,10 @@
 """Backend readiness as the gateway sees it, and the one shared prober that keeps it fresh.
 
-The gateway has no Kubernetes credentials: it learns readiness by asking the backend's readiness
-path. A single prober greenlet does that for everyone - never one probe per request - and only
-while something wants the backend (queued/in-flight requests or a running lease); an idle gateway
-sends nothing. Between probes, the forwarding path reports what it sees: a refused connection marks
+The gateway learns readiness by asking the backend's readiness path itself (every starting Pod's when
+it knows the Pods, gateway.backends; else the Service's), and from the EndpointSlices when it watches
+them. A single prober greenlet per model does the asking for everyone - never one probe per request -
+and only while something wants the backend (queued/in-flight requests or a running lease); an idle
+gateway sends nothing. Between probes, the forwarding path reports what it sees: a refused connection marks
 the backend cold at once (it scaled to zero), so the next request is admitted as a cold one.
 """
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import gevent
 
+from gateway.backends import endpoint_feed
 from gateway.config import GatewayConfig
 from gateway.routes import GatewayApp
 from gateway.server import GatewayServer, listen_socket
@@ -23,7 +24,11 @@ __all__ = ["ThreadedGateway", "exchange"]
 
 class ThreadedGateway:
     def __init__(self, config: GatewayConfig, broadcaster: DemandBroadcaster | None = None,
-                 app_factory: Callable[[], Any] | None = None) -> None:
+                 app_factory: Callable[[], Any] | None = None, feed_environ: dict[str, str] | None = None) -> None:
+        """``feed_environ``: the env a Pod's endpoint source reads (KUBERNETES_SERVICE_HOST, ...), for a
+        gateway with ``endpoint_source="endpointslices"``; the feed is made in the hub thread."""
+        self.feed_environ = feed_environ
+        self.feed: Any = None
         self.config = config
         self._app_factory = app_factory  # another app than one model's GatewayApp (a shared gateway)
         self.broadcaster = broadcaster or DemandBroadcaster()
@@ -39,7 +44,15 @@ class ThreadedGateway:
     def _run(self) -> None:
         try:
             self._hub = gevent.get_hub()
-            app = self._app_factory() if self._app_factory else GatewayApp(self.config, pod=self.pod)
+            namespace = ""
+            if self.feed_environ is not None:
+                self.feed, namespace = endpoint_feed(self.config, self.feed_environ)
+            if self._app_factory is None:
+                app = GatewayApp(self.config, pod=self.pod, feed=self.feed, namespace=namespace)
+            elif self.feed_environ is not None:  # a factory of an app that follows the feed: (feed, namespace)
+                app = self._app_factory(self.feed, namespace)
+            else:
+                app = self._app_factory()
             listener = listen_socket(self.config.listen_host, self.config.listen_port, reuse_port=False)
             admin = listen_socket(self.config.listen_host, self.config.admin_port, reuse_port=False)
             self.server = GatewayServer(app, listener, max_connections=self.config.max_connections, admin_listener=admin)
@@ -52,6 +65,8 @@ class ThreadedGateway:
         while not self._stop_requested.is_set():
             gevent.sleep(0.05)
         self.server.stop(timeout=1.0)
+        if self.feed is not None:
+            self.feed.close()
 
     def start(self, timeout: float = 10.0) -> ThreadedGateway:
         self._thread.start()

@@ -157,3 +157,28 @@ def test_the_mounted_table_is_reread_on_change_and_a_bad_one_keeps_the_last_good
     assert second is not None and list(second.models) == ["a", "b"] and watched.error is None
     path.unlink()  # a vanished file keeps the table in force
     assert watched.poll() is None and watched.table is second
+
+
+def test_balancing_beside_the_table_sets_per_model_options_and_never_refuses_it(tmp_path: Path) -> None:
+    """``balancing.json`` (written by the hooks only when a member sets an option; a file of its own
+    because the previous release's gateway refuses unknown table fields) applies to the models it
+    names; a bad one is ignored whole, the table still served."""
+    path = tmp_path / "models.json"
+    swap(path, table(entry("a"), entry("b")))
+    watched = ModelTableFile(path, BASE)
+    first = watched.poll()
+    assert first is not None and first.models["a"].prefix_affinity is True and first.models["a"].pod_batch == 8
+    swap(tmp_path / "balancing.json", json.dumps({"models": {
+        "a": {"prefixAffinity": False, "coldBatchPerPod": 3, "someFutureField": 1}, "gone": {"coldBatchPerPod": 2}}
+    }).encode())
+    second = watched.poll()  # the balancing file changed: reread, though the table did not
+    assert second is not None and watched.balancing_error is None
+    assert (second.models["a"].prefix_affinity, second.models["a"].pod_batch) == (False, 3)
+    assert second.models["b"] == first.models["b"]
+    assert second.diff(first).changed == ("a",)
+    swap(tmp_path / "balancing.json", b'{"models": {"a": {"coldBatchPerPod": 0}}}')
+    third = watched.poll()
+    assert third is not None and third.models["a"] == first.models["a"]  # ignored whole, defaults in force
+    assert "coldBatchPerPod" in (watched.balancing_error or "")
+    swap(tmp_path / "balancing.json", b"[")
+    assert watched.poll() is not None and "not an object" in (watched.balancing_error or "")

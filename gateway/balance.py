@@ -1,0 +1,119 @@
+"""Which backend Pod takes a request: pure rules over the Pods' outstanding counts, no sockets, no clocks.
+
+- **Least outstanding.** Without an affinity key, the eligible Pod with the fewest requests in
+  flight from this worker; ties go round robin, so a Pod that just turned Ready (zero outstanding)
+  gets the next requests at once.
+- **Prefix affinity with bounded load.** With a key (``gateway.affinity``), consistent hashing: each
+  Pod owns ``VNODES`` points of a 64-bit ring placed by hashing its *name*, so every worker and every
+  gateway replica maps a key to the same Pod, and a Pod joining or leaving moves only the keys it
+  takes or had. The key's home is the first Pod clockwise from the key's hash; the request goes to
+  the first Pod on that walk whose load stays within ``ceil(factor * (total + 1) / pods)`` (Mirrokni
+  et al., "Consistent Hashing with Bounded Loads"; HAProxy's ``hash-balance-factor``), so a
+  conversation returns to the Pod holding its KV cache, and one hot prefix spills over instead of
+  overloading a Pod.
+- **Cold batch.** A request released from the cold queue while other Pods of the model are still
+  starting takes a Pod only below ``batch`` outstanding; with none below it, it waits for the next
+  Pod to turn ready or a request to finish (``choose`` returns None). With no Pod starting, the rule
+  is off: holding a request for a Pod that is not coming would only delay it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["Loaded", "AffinityRing", "Choice", "choose", "bound", "key_hash", "VNODES", "DEFAULT_LOAD_FACTOR"]
+
+VNODES = 64  # ring points per Pod: with 3 Pods the largest share of the ring is within ~±15 % of a third
+DEFAULT_LOAD_FACTOR = 1.25
+
+
+class Loaded(Protocol):
+    name: str
+    outstanding: int
+
+
+def key_hash(data: bytes) -> int:
+    """A stable 64-bit hash (the same in every process: never Python's salted ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class AffinityRing:
+    """The hash ring of a set of Pod names (rebuilt when the set changes; lookups are a bisect)."""
+
+    __slots__ = ("names", "_points", "_owners")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = tuple(sorted(names))
+        points = sorted((key_hash(f"{name}#{i}".encode()), name) for name in self.names for i in range(VNODES))
+        self._points = [p for p, _ in points]
+        self._owners = [n for _, n in points]
+
+    def walk(self, key: int) -> list[str]:
+        """Every Pod name, in the order a key's request tries them: its home first."""
+        if not self._points:
+            return []
+        start = bisect.bisect_left(self._points, key)
+        seen: list[str] = []
+        count = len(self._owners)
+        for i in range(count):
+            name = self._owners[(start + i) % count]
+            if name not in seen:
+                seen.append(name)
+                if len(seen) == len(self.names):
+                    break
+        return seen
+
+
+def bound(total_outstanding: int, pods: int, factor: float) -> int:
+    """Most requests one Pod may have with this one placed: ``ceil(factor * (total + 1) / pods)``."""
+    return max(1, math.ceil(factor * (total_outstanding + 1) / max(1, pods)))
+
+
+class Choice:
+    """The Pod chosen and how: ``affinity`` is ``"hit"`` (the key's home), ``"spill"`` (home over
+    its bound) or ``"none"`` (no key, or affinity off)."""
+
+    __slots__ = ("pod", "affinity")
+
+    def __init__(self, pod: Loaded, affinity: str) -> None:
+        self.pod = pod
+        self.affinity = affinity
+
+
+def _least(pods: Sequence[Loaded], turn: int) -> Loaded:
+    fewest = min(p.outstanding for p in pods)
+    tied = [p for p in pods if p.outstanding == fewest]
+    return tied[turn % len(tied)]
+
+
+def _by_affinity(pods: Sequence[Loaded], ring: AffinityRing, key: int, factor: float) -> Choice:
+    by_name = {p.name: p for p in pods}
+    limit = bound(sum(p.outstanding for p in pods), len(pods), factor)
+    home = True
+    for name in ring.walk(key):
+        pod = by_name.get(name)
+        if pod is None:  # on the ring but not eligible now (terminating, not ready): skip
+            continue
+        if pod.outstanding + 1 <= limit:
+            return Choice(pod, "hit" if home else "spill")
+        home = False
+    return Choice(_least(pods, 0), "spill")  # every Pod at the bound: cannot happen, as the bound sums them
+
+
+def choose(pods: Sequence[Loaded], *, key: int | None = None, ring: AffinityRing | None = None,
+           factor: float = DEFAULT_LOAD_FACTOR, batch: int | None = None, turn: int = 0) -> Choice | None:
+    """The Pod for one request among the eligible ``pods`` (see the module doc); None when ``batch``
+    leaves no room (the caller holds the request) or there is no Pod."""
+    if batch is not None:
+        pods = [p for p in pods if p.outstanding < batch]
+    if not pods:
+        return None
+    if len(pods) == 1:  # nothing to decide: not counted as an affinity outcome
+        return Choice(pods[0], "none")
+    if key is None or ring is None:
+        return Choice(_least(pods, turn), "none")
+    return _by_affinity(pods, ring, key, factor)
