@@ -160,11 +160,15 @@ class Activation:
             self.pod.release_activation(self._timing)
             self._timing = None
 
-    def first_byte_forwarded(self, now: float) -> None:
-        """A held (cold) request's first answer byte left the gateway."""
+    def first_byte_forwarded(self, now: float, pod: str | None = None) -> None:
+        """A held (cold) request's first answer byte left the gateway (from backend Pod ``pod``, when
+        the gateway balances over Pods): the last phase of the activation this worker times."""
         if self._ready_at is not None:
-            self.metrics.phases["ready_to_first_byte"].observe(max(0.0, now - self._ready_at))
+            seconds = max(0.0, now - self._ready_at)
+            self.metrics.phases["ready_to_first_byte"].observe(seconds)
             self._ready_at = None
+            log.info("cold start served", extra={"ready_to_first_byte_seconds": round(seconds, 3),
+                                                 **({"pod": pod} if pod else {})})
 
     def tick(self, now: float | None = None) -> None:
         end = self.lease.tick(self.clock() if now is None else now)

@@ -520,7 +520,8 @@ class GatewayApp(AnswersHere):
         now = self.clock()
         ttft = timing.first_byte(now, status)
         if timing.cold:
-            self.activation.first_byte_forwarded(now)
+            pod = conn.backend_pod
+            self.activation.first_byte_forwarded(now, pod.name if pod is not None else None)
             if ttft is not None:
                 self.metrics.ttft_cold.observe(ttft)
         elif ttft is not None:

@@ -302,7 +302,8 @@ def test_without_pods_the_service_connections_age_out(make_gateway: Callable[...
 
 
 def test_a_pod_answering_before_the_kubelet_gets_the_held_request(gateway: Callable[..., ThreadedGateway],
-                                                                  pods: list[FakeBackend], port: int) -> None:
+                                                                  pods: list[FakeBackend], port: int,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     """The slice says not ready (the kubelet's next probe and the endpoints' update are seconds away);
     the engine answers its readiness path: the held request goes now, and the lead is recorded once
     the slice catches up."""
@@ -320,6 +321,9 @@ def test_a_pod_answering_before_the_kubelet_gets_the_held_request(gateway: Calla
     feed(gw, endpoint(0, port))
     text = requests.get(f"{gw.admin_url}/metrics").text
     assert "noctaya_gateway_backend_pod_ready_lead_seconds_count 1.0" in text
+    records = {r.getMessage(): r for r in caplog.records}
+    assert records["cold start served"].pod == "llm-backend-0"  # which Pod served the activation
+    assert records["backend pod ready"].served_before_kubelet == 1
 
 
 def test_queue_page_without_a_source(make_gateway: Callable[..., ThreadedGateway], backend: FakeBackend) -> None:
