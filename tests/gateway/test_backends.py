@@ -5,6 +5,7 @@ their own loopback addresses), the Pods' list fed as the EndpointSlice watch fee
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -307,6 +308,7 @@ def test_a_pod_answering_before_the_kubelet_gets_the_held_request(gateway: Calla
     """The slice says not ready (the kubelet's next probe and the endpoints' update are seconds away);
     the engine answers its readiness path: the held request goes now, and the lead is recorded once
     the slice catches up."""
+    caplog.set_level(logging.INFO, logger="noctaya.gateway")
     gw = gateway()
     feed(gw, endpoint(0, port, ready=False))
     results: list[tuple[int, str]] = []
