@@ -36,7 +36,7 @@ e2e: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
-# ENGINE=llamacpp: llama.cpp's real llama-server (built once if need be, ~6 min) with a tiny random GGUF
+# ENGINE=llamacpp: llama.cpp's real llama-server (built once if need be, 4-12 min on 2 cores) with a tiny random GGUF
 # delivered through the prewarm path; ENGINE=standin: demo/backend.py; default: the real one once built.
 ENGINE ?= auto
 demo: $(STAMP)

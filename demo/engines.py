@@ -53,7 +53,7 @@ class LlamaCppEngine:
 
         self.binary = llamacpp.binary_path()
         if not self.binary.exists():
-            say("demo", "building llama.cpp's llama-server once (CPU only, about 6 minutes on 2 cores; cached in "
+            say("demo", "building llama.cpp's llama-server once (CPU only, 4 to 12 minutes on 2 cores; cached in "
                 f"{llamacpp.cache_dir()})")
             llamacpp.llama_server()
         runtime = staged.runtime_doc()

@@ -66,8 +66,8 @@ def test_demo_with_the_real_engine_says_so_and_shows_its_load_phase() -> None:
     tiny model through the prewarm path; the timeline names the engine and its /health changes."""
     from tests.engines import llamacpp
 
-    if not llamacpp.binary_path().exists():
-        pytest.skip("llama-server is not built here (tests/setup.py's llama-server step skipped)")
+    if not llamacpp.binary_path().exists():  # the set-up step builds it or fails saying why: no skip
+        pytest.fail("llama-server is not built here: `python -m tests.setup test` (its llama-server step) says why")
     out, _ = run_demo("-m", "demo", "--engine", "llamacpp", "--cooldown", "2")
     stages = [
         "promoted <tmp>/cache/",  # the prewarm Job's own line

@@ -3,12 +3,24 @@
 Source: the llama.cpp tree vendored in the ``llama-cpp-python`` source distribution on PyPI, pinned by
 version and sha256 (PyPI is the one source of llama.cpp this machine and CI can reach; the sdist
 carries llama.cpp's own CMake project under ``vendor/llama.cpp``). Built for the CPU, the server
-target only, with the host's ``cmake`` (Debian's on the build machines); nothing in the build
-reaches the network (the prebuilt web UI download is off).
+target only; nothing in the build reaches the network (the prebuilt web UI download is off).
+
+What the build needs from the machine:
+
+- CMake: the ``cmake`` package from PyPI pinned in requirements-dev.txt (so the venv has it on every
+  machine), found through its module's ``CMAKE_BIN_DIR``; the host's ``cmake`` on PATH only when that
+  package is not installed (this module run outside the venv);
+- a C and a C++ compiler and ``make`` (CMake's default generator), which PyPI does not provide: without
+  them the build fails at once, naming what to install (``apt-get install g++ make`` on Debian), and so
+  does the set-up step (``python -m tests.setup test|e2e`` exits 1), never a skip.
 
     ~/.cache/noctaya-engines/llama.cpp-<llama-cpp-python version>/bin/llama-server
 
-``NOCTAYA_ENGINE_CACHE`` moves the cache. One build at a time per cache (a lock file beside it).
+The cache is keyed by the llama-cpp-python version only: a cached binary is kept when the CMake that
+built it changes (the pin moves, or the host's was used), since CMake only drives the build; what the
+binary is comes from the pinned sources, CMAKE_OPTIONS and the compiler. Delete the directory to
+rebuild (after a compiler change, say). ``NOCTAYA_ENGINE_CACHE`` moves the cache. One build at a time
+per cache (a lock file beside it).
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.third_party import BuildFailed, ThirdPartyUnavailable
+from tests.third_party import BuildFailed
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
@@ -106,17 +118,59 @@ def _run(argv: list[str], cwd: Path) -> None:
         raise BuildFailed(f"`{' '.join(argv[:4])}` failed: {(out.stderr or out.stdout).strip()[-800:]}")
 
 
+def cmake_program() -> str:
+    """The pinned ``cmake`` from PyPI (requirements-dev.txt) when it is installed, else the host's."""
+    try:
+        import cmake  # the PyPI package: the CMake binaries in its data directory
+    except ImportError:
+        pass
+    else:
+        pinned = Path(cmake.CMAKE_BIN_DIR) / "cmake"
+        if os.access(pinned, os.X_OK):
+            return str(pinned)
+    host = shutil.which("cmake")
+    if host is None:
+        raise BuildFailed("cmake not found: needed to build llama-server; install the pinned one from PyPI "
+                          "(.venv/bin/pip install -r requirements-dev.txt)")
+    return host
+
+
+# What CMake looks for (its own search order, first found wins; $CC / $CXX first).
+COMPILERS = {"C compiler": ("CC", ("cc", "gcc", "clang")), "C++ compiler": ("CXX", ("c++", "g++", "clang++"))}
+DEBIAN_PACKAGE = {"C compiler": "g++", "C++ compiler": "g++", "make": "make"}  # g++ brings gcc
+
+
+def missing_build_tools() -> dict[str, str]:
+    """What the build needs from the machine and does not find on PATH: tool -> why it is missing."""
+    missing = {}
+    for what, (variable, names) in COMPILERS.items():
+        chosen = os.environ.get(variable, "").split()
+        if chosen and shutil.which(chosen[0]) is None:
+            missing[what] = f"${variable} is {chosen[0]!r}, not found"
+        elif not chosen and not any(shutil.which(name) for name in names):
+            missing[what] = f"none of {', '.join(names)} on PATH"
+    if os.environ.get("CMAKE_GENERATOR", "Unix Makefiles") == "Unix Makefiles" and shutil.which("make") is None:
+        missing["make"] = "not on PATH; CMake's Unix Makefiles generator runs it"
+    return missing
+
+
+def _check_build_tools() -> None:
+    missing = missing_build_tools()
+    if missing:
+        packages = " ".join(sorted({DEBIAN_PACKAGE[what] for what in missing}))
+        reasons = "; ".join(f"no {what} ({why})" for what, why in missing.items())
+        raise BuildFailed(f"cannot build llama-server: {reasons}. Install: apt-get install {packages} "
+                          "(Debian, Ubuntu)")
+
+
 def llama_server() -> Path:
-    """The cached ``llama-server``, built first if need be. Raises ThirdPartyUnavailable (no cmake or
-    no C++ compiler) or BuildFailed (a step failed, named in the message)."""
+    """The cached ``llama-server``, built first if need be. Raises BuildFailed naming the reason: no
+    cmake, no C or C++ compiler or make (with what to install), or a step of the build that failed."""
     binary = binary_path()
     if binary.exists():
         return binary
-    cmake = shutil.which("cmake")
-    if cmake is None:
-        raise ThirdPartyUnavailable("cmake not found: needed to build llama-server (apt-get install cmake)")
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        raise ThirdPartyUnavailable("no C++ compiler: needed to build llama-server (apt-get install g++)")
+    cmake = cmake_program()
+    _check_build_tools()
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".build.lock", "w") as lock:

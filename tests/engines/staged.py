@@ -13,10 +13,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
 import yaml
 
 from demo.hub import FakeHub, HubRepo
@@ -103,3 +105,21 @@ def deliver(workdir: Path, runtime: dict[str, Any], address: str, llama_server: 
     waited = run_to_completion(pod_spec["initContainers"][0], sandbox, timeout=60)
     assert waited.returncode == 0, f"the weights wait failed: {waited.stdout}{waited.stderr}"
     return StagedBackend(svc, second, pod_spec, sandbox, done.stdout + done.stderr, waited.stdout)
+
+
+def wait_health(engine: LocalContainer, url: str, timeout: float = 60.0) -> list[int]:
+    """Every distinct /health status seen in order until 200; fails if the engine exits first."""
+    seen: list[int] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert engine.running(), f"llama-server exited ({engine.proc.poll() if engine.proc else None}): {engine.log_tail()}"
+        try:
+            code = requests.get(f"{url}/health", timeout=2).status_code
+        except requests.RequestException:
+            code = 0
+        if not seen or seen[-1] != code:
+            seen.append(code)
+        if code == 200:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"/health not 200 in {timeout}s (saw {seen}): {engine.log_tail()}")
