@@ -4,8 +4,9 @@ Each LLMService gets the synthetic v2 requests Metacontroller would send on firs
 observed yet, KEDA's CRD present, every given runtime related), through the very same `sync` and
 decorator `sync` the cluster uses; each LLMGateway its sync with the given LLMServices and runtimes
 related (its members are those of its namespace that name it) and no RoleBinding group, so it renders
-as in a namespace enabled for LLMGateways (which offline input cannot tell). Documents of other kinds
-are ignored.
+as in a namespace enabled for LLMGateways (which offline input cannot tell). The controllers are
+named without their manifests, which counts as this release's (hooks.controller.observe.child_resources):
+every gateway gets its ServiceAccount and RoleBinding. Documents of other kinds are ignored.
 """
 
 from __future__ import annotations

@@ -399,6 +399,33 @@ class EndpointService(ApiModel):
 # belong to the LLMGateway, the admission ones stay with each model.
 _SHARED = "Not used with endpoint.gateway set (the LLMGateway's own setting applies)."
 _PER_MODEL = "Per model: with endpoint.gateway set it still applies to this model."
+# The gateway's own default of coldBatchPerPod (gateway.config.GatewayConfig.pod_batch), said in the
+# description; unset renders nothing, so the gateway's default applies.
+DEFAULT_COLD_BATCH_PER_POD = 8
+
+
+class Balancing(ApiModel):
+    """How the gateway spreads this model's requests over its backend Pods. Both fields are optional
+    and have no schema default (unset means the gateway's own default), so setting neither renders
+    exactly what an LLMService without `balancing` renders."""
+
+    prefix_affinity: bool | None = Field(
+        default=None,
+        description="Unset or true: a request that carries OpenAI's prompt_cache_key, or whose prompt begins "
+        "like an earlier one, goes to the backend Pod that served that key or beginning before (where the "
+        "engine's prefix cache likely still holds it), unless that Pod already has clearly more outstanding "
+        "requests than the others (a load bound); false: every request goes to the Pod with the fewest "
+        "outstanding requests. " + _PER_MODEL,
+    )
+    cold_batch_per_pod: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="While other backend Pods of the model are still starting, a held (cold) request goes to a Pod "
+        "that is ready only while that Pod has fewer than this many outstanding requests; the others wait for the "
+        "next Pod to turn ready or a request to finish. Unset: the gateway's default, "
+        f"{DEFAULT_COLD_BATCH_PER_POD}. " + _PER_MODEL,
+    )
 
 
 class Endpoint(ApiModel):
@@ -455,8 +482,8 @@ class Endpoint(ApiModel):
         "or scaler token of its own; its ScaledObject asks the LLMGateway's scaler for this model's demand (by its "
         "served name), and status.endpoint is the LLMGateway's URL. replicas, resources, service, "
         "maxConnectionsPerAddress and requestTimeoutSeconds are then the LLMGateway's and not used here; auth and "
-        "scalerTLS are refused and replicas must be 1. maxQueue, coldRequestMode, retryAfterSeconds and the scaling "
-        "timings stay per model. Unset: this LLMService gets its own gateway Deployment and Service (the default).",
+        "scalerTLS are refused and replicas must be 1. maxQueue, coldRequestMode, retryAfterSeconds, balancing and the "
+        "scaling timings stay per model. Unset: this LLMService gets its own gateway Deployment and Service (the default).",
     )
     resources: ResourceRequirements | None = Field(
         default=None,
@@ -464,6 +491,13 @@ class Endpoint(ApiModel):
     )
     service: EndpointService = Field(
         default_factory=EndpointService, description="Public Service type and annotations. " + _SHARED
+    )
+    # No schema default (docs/upgrading.md, "New fields"): absent means the gateway's defaults.
+    balancing: Balancing | None = Field(
+        default=None,
+        description="How the gateway balances this model's requests over its backend Pods (it watches their "
+        "EndpointSlices and balances per Pod where the install lets it, docs/install.md; else it reaches the "
+        "backend through its Service). Unset: prefix affinity on, cold batch 8. " + _PER_MODEL,
     )
 
     rules: ClassVar[tuple[Rule, ...]] = (

@@ -14,7 +14,8 @@ Never destructive:
   the routing table could not be created or updated there, and a gateway Pod would wait forever for
   its volume; nothing new is rendered until the RoleBinding exists;
 - a member that no longer parses, or whose runtime cannot be resolved, keeps the entry it had in the
-  observed routing ConfigMap (found through the previous status.models), and MembersAccepted names it;
+  observed routing ConfigMap (found through the previous status.models; its balancing.json entry too),
+  and MembersAccepted names it;
 - two members with one served name: the older (creationTimestamp, then name) is routed, the other
   reported; beyond the gateway's MAX_MODELS the members already routed keep their place, newcomers
   are routed oldest first while there is room, and the rest are reported (TooManyModels).
@@ -39,7 +40,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gateway.modeltable import MAX_MODELS, MEMBER_FIELD, SCALED_OBJECT_FIELD
+from gateway.modeltable import BALANCING_FIELDS, BALANCING_FILE, MAX_MODELS, MEMBER_FIELD, SCALED_OBJECT_FIELD
 from hooks.api.common import API_VERSION
 from hooks.api.llmgateway import LLMGateway, LLMGatewaySpec
 from hooks.api.llmservice import Endpoint
@@ -145,6 +146,7 @@ class Candidate:
     service: str
     created: str
     entry: dict[str, Any]
+    balancing: dict[str, Any] = field(default_factory=dict)  # its balancing.json entry (empty: none)
 
     @property
     def served(self) -> str:
@@ -179,10 +181,41 @@ def observed_entries(configmap: dict[str, Any] | None) -> dict[str, dict[str, An
         if isinstance(models, list) else {}
 
 
+def observed_balancing(configmap: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The observed ConfigMap's balancing.json by served name, each entry with the gateway's known keys
+    only (none when it is absent or does not parse): what a member that stops parsing keeps."""
+    raw = _dict(_dict(configmap).get("data")).get(BALANCING_FILE)
+    try:
+        doc = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        return {}
+    return {name: {k: v for k, v in entry.items() if k in BALANCING_FIELDS}
+            for name, entry in _dict(_dict(doc).get("models")).items() if isinstance(entry, dict)}
+
+
 def scaled_object_of(namespace: str, service: str) -> str:
     """`<namespace>/<name>` of a member's ScaledObject (hooks.resources.autoscaling names it so): what
     KEDA sends the scaler with every call, unchanged by a change of served name."""
     return f"{namespace}/{names.scaled_object(service)}"
+
+
+def fresh_candidate(raw: dict[str, Any], observed: obs.Observed, namespace: str,
+                    config: HookConfig) -> tuple[Candidate | None, tuple[GatewayReason, str] | None]:
+    """A member's entry computed from its spec and runtime, or why it cannot be."""
+    name = str(_meta(raw).get("name", ""))
+    service, error = parse_service(raw)
+    if service is None:
+        return None, (GatewayReason.INVALID_MEMBER, f"LLMService {name} is invalid: {error}")
+    if service.spec.cache.strategy == "BakedImage":  # its own sync renders no backend for it
+        return None, (GatewayReason.INVALID_MEMBER, f"LLMService {name}: cache.strategy BakedImage is not implemented")
+    resolution = resolve_runtime(service, observed)
+    if resolution.runtime is None:
+        return None, (GatewayReason.RUNTIME_NOT_RESOLVED, f"LLMService {name}: {resolution.message}")
+    ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace, config=config)
+    entry = gateway.model_settings(ctx).table_entry(service.served_name, member=name,
+                                                    scaled_object=scaled_object_of(namespace, name))
+    return Candidate(name, str(_meta(raw).get("creationTimestamp") or ""), entry,
+                     shared.member_balancing(service.spec.endpoint.balancing)), None
 
 
 def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_status: Any,
@@ -190,35 +223,23 @@ def gather(gw: LLMGateway, namespace: str, observed: obs.Observed, previous_stat
     """Which members are routed, with which entries, and what is wrong with the others."""
     out = Membership()
     was_served = {m["service"]: m["name"] for m in previous_models(previous_status)}
-    old_entries = observed_entries(observed.child(CONFIGMAP, names.shared_routes(gw.metadata.name)))
-    members = members_of(observed, gw.metadata.name, namespace)
+    routes = observed.child(CONFIGMAP, names.shared_routes(gw.metadata.name))
+    old_entries, old_balancing = observed_entries(routes), observed_balancing(routes)
     candidates: list[Candidate] = []
-    for raw in members:
-        name = str(_meta(raw).get("name", ""))
-        created = str(_meta(raw).get("creationTimestamp") or "")
-        service, error = parse_service(raw)
-        problem: tuple[GatewayReason, str] | None = None
-        if service is None:
-            problem = (GatewayReason.INVALID_MEMBER, f"LLMService {name} is invalid: {error}")
-        elif service.spec.cache.strategy == "BakedImage":  # its own sync renders no backend for it
-            problem = (GatewayReason.INVALID_MEMBER, f"LLMService {name}: cache.strategy BakedImage is not implemented")
-        else:
-            resolution = resolve_runtime(service, observed)
-            if resolution.runtime is None:
-                problem = (GatewayReason.RUNTIME_NOT_RESOLVED, f"LLMService {name}: {resolution.message}")
-            else:
-                ctx = RenderContext(service=service, runtime=resolution.runtime, namespace=namespace, config=config)
-                entry = gateway.model_settings(ctx).table_entry(service.served_name, member=name,
-                                                                scaled_object=scaled_object_of(namespace, name))
-                candidates.append(Candidate(name, created, entry))
-        if problem is None:
+    for raw in members_of(observed, gw.metadata.name, namespace):
+        fresh, problem = fresh_candidate(raw, observed, namespace, config)
+        if fresh is not None:
+            candidates.append(fresh)
             continue
+        assert problem is not None
+        name = str(_meta(raw).get("name", ""))
         old = old_entries.get(was_served.get(name) or raw_served_name(raw))
         kept = "its previous entry is kept" if old is not None else "it is not routed (it never was)"
         out.problems.append((problem[0], f"{problem[1]}; {kept}"))
         if old is not None:  # a kept entry is this member's (one written before 0.2.0 learns it is)
-            candidates.append(Candidate(name, created, {**old, MEMBER_FIELD: name,
-                                                        SCALED_OBJECT_FIELD: scaled_object_of(namespace, name)}))
+            candidates.append(Candidate(name, str(_meta(raw).get("creationTimestamp") or ""),
+                                        {**old, MEMBER_FIELD: name, SCALED_OBJECT_FIELD: scaled_object_of(namespace, name)},
+                                        old_balancing.get(str(old["name"]), {})))
     by_name: dict[str, list[Candidate]] = {}
     for c in candidates:
         by_name.setdefault(c.served, []).append(c)
@@ -321,7 +342,8 @@ def children(ctx: shared.SharedContext, routed: list[Candidate], observed: obs.O
         shared.deployment(ctx),
         shared.public_service(ctx),
         shared.scaler_service(ctx),
-        shared.routes_configmap(ctx, [c.entry for c in routed]),
+        shared.routes_configmap(ctx, [c.entry for c in routed], {c.served: c.balancing for c in routed}),
+        *shared.identity(ctx),
     ]
     if ctx.multi_gateway:
         out.append(shared.aggregator_deployment(ctx, member_demand_cap(routed)))
@@ -373,7 +395,9 @@ def sync(request: dict[str, Any], config: HookConfig | None = None) -> dict[str,
         ]
         return _kept_answer(status, conds, observed, previous_status, generation, cfg)
 
-    ctx = shared.SharedContext(gateway=gw, namespace=namespace, config=cfg, uid=str(meta.get("uid") or ""))
+    ctx = shared.SharedContext(gateway=gw, namespace=namespace, config=cfg, uid=str(meta.get("uid") or ""),
+                               # An older controller manifest (an upgrade in progress) does not manage them.
+                               gateway_identity=observed.lists_children(*obs.IDENTITY_CHILD_RESOURCES))
     membership = gather(gw, namespace, observed, previous_status, cfg)
     models = [{"name": c.served, "service": c.service} for c in membership.routed]
     settled = settle_rollout(gw, parent, observed, children(ctx, membership.routed, observed),

@@ -27,6 +27,10 @@ CRD = "CustomResourceDefinition.apiextensions.k8s.io/v1"
 SCALED_OBJECT = "ScaledObject.keda.sh/v1alpha1"
 KEDA_CRD_NAME = "scaledobjects.keda.sh"
 
+# The child types of a gateway's own identity (hooks.resources.gateway.service_account and
+# endpoints_role_binding), as a controller manifest lists them in spec.childResources.
+IDENTITY_CHILD_RESOURCES = (("v1", "serviceaccounts"), ("rbac.authorization.k8s.io/v1", "rolebindings"))
+
 LAST_APPLIED = "metacontroller.k8s.io/last-applied-configuration"
 _SERVER_METADATA = ("resourceVersion", "uid", "creationTimestamp", "managedFields", "generation", "ownerReferences",
                     "selfLink", "deletionTimestamp", "deletionGracePeriodSeconds", "finalizers")
@@ -62,9 +66,22 @@ class Observed:
 
     children: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     related: dict[str, Any] = field(default_factory=dict)
+    # (apiVersion, resource) of every childResources entry of the calling controller's manifest; None
+    # when the request carries no manifest (see `child_resources`).
+    child_types: frozenset[tuple[str, str]] | None = None
 
     def child(self, group: str, name: str) -> dict[str, Any] | None:
         return self.children.get((group, name))
+
+    def lists_children(self, *types: tuple[str, str]) -> bool:
+        """Whether the calling controller manages children of all these (apiVersion, resource) types.
+
+        A hook must never return a child of a type its controller does not list: Metacontroller would
+        create it and never observe it, failing every later sync of the parent (a manifest of an older
+        release, which the hook server still answers during an upgrade, hooks.compat). A request
+        without a manifest is taken to come with this release's own, which lists every type the hooks
+        render."""
+        return self.child_types is None or set(types) <= self.child_types
 
     def related_objects(self, group: str) -> list[dict[str, Any]]:
         return objects(self.related, group)
@@ -115,8 +132,23 @@ def parse_children(groups: Any) -> dict[tuple[str, str], dict[str, Any]]:
     return out
 
 
+def child_resources(controller: Any) -> frozenset[tuple[str, str]] | None:
+    """The (apiVersion, resource) pairs of a controller manifest's spec.childResources.
+
+    None when there is no manifest to read: no `controller` in the request, or one without a `spec`
+    (offline rendering and hand-made requests name the controller only; Metacontroller always sends
+    the whole object, spec included). A spec without a usable childResources list lists nothing."""
+    spec = controller.get("spec") if isinstance(controller, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    entries = spec.get("childResources")
+    return frozenset((str(c.get("apiVersion")), str(c.get("resource")))
+                     for c in (entries if isinstance(entries, list) else []) if isinstance(c, dict))
+
+
 def observe(request: dict[str, Any], children_key: str = "children") -> Observed:
-    return Observed(children=parse_children(request.get(children_key)), related=request.get("related") or {})
+    return Observed(children=parse_children(request.get(children_key)), related=request.get("related") or {},
+                    child_types=child_resources(request.get("controller")))
 
 
 def require_object(request: Any, key: str) -> dict[str, Any]:

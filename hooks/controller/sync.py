@@ -185,7 +185,7 @@ def _front_children(ctx: RenderContext, observed: obs.Observed) -> list[dict[str
     if ctx.shared_gateway is None:
         # A member of a shared gateway has none of these: the LLMGateway renders them for all its
         # models, and Metacontroller deletes the ones a switch to shared leaves behind.
-        out += [gateway.deployment(ctx), gateway.public_service(ctx), scaler.service(ctx)]
+        out += [gateway.deployment(ctx), gateway.public_service(ctx), scaler.service(ctx), *gateway.identity(ctx)]
     if ctx.multi_gateway:
         token_name = names.scaler_token(ctx.name)
         out += [scaler.aggregator_deployment(ctx), disruption.gateway_pdb(ctx),
@@ -284,6 +284,8 @@ def decide(parent: dict[str, Any], observed: obs.Observed, config: HookConfig) -
         # The record this sync writes (a cold start that just happened included): the windows
         # `leadTime: auto` opens and the record land in one status write.
         measured_cold_start=coldstart.total_seconds(out.cold_start),
+        # An older controller manifest (an upgrade in progress) does not manage the identity's types.
+        gateway_identity=observed.lists_children(*obs.IDENTITY_CHILD_RESOURCES),
     )
     plan_children(ctx, observed, out, keda, missing)
     settle_rollout(ctx, parent, observed, out, config)
@@ -323,8 +325,10 @@ def backend_inputs(ctx: RenderContext, deployment: dict[str, Any]) -> str:
 
 def front_inputs(ctx: RenderContext) -> str:
     """What gateway and aggregator templates are rendered from (hooks.resources.gateway and scaler):
-    the runtime (port, readiness path), spec.endpoint, the activation timeout, the served name, the
-    accelerator count, scaler TLS and pull secrets. Not the rest of spec.scaling, which only KEDA reads."""
+    the runtime (port, readiness path), spec.endpoint (balancing included), the activation timeout,
+    the served name, the accelerator count, scaler TLS and pull secrets. Not the rest of spec.scaling,
+    which only KEDA reads. Not whether the gateway has an identity either: that follows the installed
+    controller manifests (Noctaya's side), so it waits on a warm model like any upgrade."""
     spec = ctx.service.spec
     return rollout.inputs_digest(runtime=ctx.runtime.spec, endpoint=spec.endpoint, model=spec.model,
                                  activationTimeout=spec.scaling.activation_timeout,

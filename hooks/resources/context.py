@@ -22,6 +22,10 @@ class RenderContext:
     # Seconds of the last cold start the status recorded (leadTime `auto`); read from the parent's
     # status, which the spec model does not parse.
     measured_cold_start: int | None = None
+    # Whether the gateway gets an identity of its own (ServiceAccount, RoleBinding) and balances over
+    # the backend's Pods: only when the calling controller manages those child types
+    # (hooks.controller.observe.Observed.lists_children); else it reaches the backend Service.
+    gateway_identity: bool = True
 
     @property
     def name(self) -> str:

@@ -1,8 +1,12 @@
-"""Gateway Deployment (the always-on OpenAI-compatible front door) and its public Service.
+"""Gateway Deployment (the always-on OpenAI-compatible front door), its public Service, and its identity.
 
 Its env is the contract of docs/architecture.md "Gateway configuration", read by `gateway.config`.
-The gateway pod is hardened: restricted security context, read-only root, no service-account token
-(it has no Kubernetes credentials: it learns readiness by probing the backend Service).
+The gateway pod is hardened: restricted security context, read-only root. Its only Kubernetes
+credential, when the calling controller manages ServiceAccounts and RoleBindings
+(`RenderContext.gateway_identity`), is a ServiceAccount of its own bound to the ClusterRole
+`noctaya-gateway-endpoints` in its own namespace: get, list and watch of EndpointSlices, so that it
+balances over the backend's Pods (NOCTAYA_ENDPOINT_SOURCE=endpointslices, gateway.endpointslices).
+Without it the Pod mounts no token and reaches the backend through its Service, as before.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 
 from gateway.modeltable import MEMBER_FIELD, MODEL_FIELDS, SCALED_OBJECT_FIELD
 from hooks.api.common import LocalObjectReference, ResourceRequirements, pull_secret_names
+from hooks.api.llmservice import Balancing
 from hooks.config import HookConfig
 from hooks.resources import backend, labels, names
 from hooks.resources.context import (
@@ -53,6 +58,12 @@ TOKEN_KEY = "token"
 PREVIOUS_TOKEN_KEY = "previous-token"  # the token of the epoch before, accepted during a rotation
 TLS_DIR = "/var/run/noctaya/scaler-tls"
 
+# The gateway's identity (metacontroller/rbac.yaml): the ClusterRole its RoleBinding refers to, granting
+# get, list and watch of EndpointSlices only, and only in the namespace of the RoleBinding.
+ENDPOINTS_CLUSTERROLE = "noctaya-gateway-endpoints"
+RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
+ENDPOINT_SOURCE = "endpointslices"  # NOCTAYA_ENDPOINT_SOURCE of a gateway with an identity
+
 
 def _env(name: str, value: str | int) -> dict[str, str]:
     return {"name": name, "value": str(value)}
@@ -71,18 +82,24 @@ def restricted_container_security() -> dict[str, Any]:
     }
 
 
-def restricted_pod_spec(ctx: RenderContext, containers: list[dict[str, Any]], volumes: list[dict[str, Any]]) -> dict[str, Any]:
-    """A Pod of Noctaya's own image (gateway, aggregate scaler): restricted, no API credentials."""
-    return restricted_pod(ctx.service.spec.image_pull_secrets, containers, volumes)
+def restricted_pod_spec(ctx: RenderContext, containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
+                        account: str | None = None) -> dict[str, Any]:
+    """A Pod of Noctaya's own image (gateway, aggregate scaler): restricted; API credentials only of
+    the ServiceAccount `account` when given (a gateway's own, see `service_account`)."""
+    return restricted_pod(ctx.service.spec.image_pull_secrets, containers, volumes, account)
 
 
 def restricted_pod(pull_secrets: list[LocalObjectReference], containers: list[dict[str, Any]],
-                   volumes: list[dict[str, Any]]) -> dict[str, Any]:
+                   volumes: list[dict[str, Any]], account: str | None = None) -> dict[str, Any]:
     """`restricted_pod_spec` for any owner (an LLMService's or an LLMGateway's Pods)."""
     pull = pull_secret_names(pull_secrets)
+    # The ServiceAccount itself mounts nothing (`service_account`): only this Pod opts in. Without an
+    # account the Pod keeps exactly the keys it had before gateways had one (an unchanged template).
+    identity: dict[str, Any] = ({"serviceAccountName": account, "automountServiceAccountToken": True}
+                                if account is not None else {"automountServiceAccountToken": False})
     return {
         **({"imagePullSecrets": pull} if pull else {}),
-        "automountServiceAccountToken": False,
+        **identity,
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
@@ -251,6 +268,25 @@ def scaler_env(multi: bool, report_to: str) -> list[dict[str, str]]:
     return [_env("NOCTAYA_SCALER_MODE", "local"), _env("NOCTAYA_SCALER_PORT", SCALER_GRPC_PORT)]
 
 
+def balancing_env(balancing: Balancing | None) -> list[dict[str, str]]:
+    """endpoint.balancing as gateway env, each variable only when its field is set to something the
+    gateway does not do by default: an unset field renders nothing, so no template changes for it."""
+    if balancing is None:
+        return []
+    out = []
+    if balancing.prefix_affinity is False:
+        out.append(_env("NOCTAYA_PREFIX_AFFINITY", "false"))
+    if balancing.cold_batch_per_pod is not None:
+        out.append(_env("NOCTAYA_POD_BATCH", balancing.cold_batch_per_pod))
+    return out
+
+
+def endpoint_source_env(identity: bool) -> list[dict[str, str]]:
+    """Balance over the backend's Pods, watching their EndpointSlices with the Pod's own ServiceAccount;
+    nothing without an identity (the gateway's default: the backend Service's address)."""
+    return [_env("NOCTAYA_ENDPOINT_SOURCE", ENDPOINT_SOURCE)] if identity else []
+
+
 def env(ctx: RenderContext) -> list[dict[str, str]]:
     spec = ctx.service.spec
     ep = spec.endpoint
@@ -278,6 +314,9 @@ def env(ctx: RenderContext) -> list[dict[str, str]]:
             out.append(_env("NOCTAYA_AGGREGATOR_CA_FILE", f"{TLS_DIR}/ca.crt"))
     elif spec.scaler_tls is not None:
         out.extend(tls_env(ctx))
+    # Added after everything a gateway rendered before (the env's order is the template's).
+    out.extend(endpoint_source_env(ctx.gateway_identity))
+    out.extend(balancing_env(ep.balancing))
     return out
 
 
@@ -334,7 +373,7 @@ def deployment(ctx: RenderContext) -> dict[str, Any]:
         volumes.append(vol)
         mounts.append(mount)
     container = gateway_container(ctx.config, env(ctx), resources(ctx), mounts, local_scaler=not ctx.multi_gateway)
-    pod_spec = restricted_pod_spec(ctx, [container], volumes)
+    pod_spec = restricted_pod_spec(ctx, [container], volumes, names.gateway(ctx.name) if ctx.gateway_identity else None)
     if ctx.multi_gateway:
         pod_spec["affinity"] = _anti_affinity(ctx)
     return deployment_object(ctx.metadata(names.gateway(ctx.name), labels.GATEWAY), ep.replicas,
@@ -410,3 +449,33 @@ def public_service(ctx: RenderContext) -> dict[str, Any]:
     # Only HTTP (OpenAI API and /metrics): the gRPC scaler is never exposed here.
     return ctx.service_object(names.public_service(ctx.name), labels.GATEWAY, labels.GATEWAY,
                               [tcp_port("http", PUBLIC_PORT)], service_type=svc.type, annotations=svc.annotations)
+
+
+# --- the gateway's identity -----------------------------------------------------------------------
+
+
+def service_account(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's own ServiceAccount, named like its Deployment. It mounts no token by itself:
+    only the gateway Pod, which asks for one (`restricted_pod`), gets it."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata, "automountServiceAccountToken": False}
+
+
+def endpoints_role_binding(metadata: dict[str, Any], account: str) -> dict[str, Any]:
+    """Binds the ServiceAccount `account` of this namespace to ENDPOINTS_CLUSTERROLE. A RoleBinding (not
+    a ClusterRoleBinding): the grant holds in its own namespace only, where the gateway's backends are."""
+    return {
+        "apiVersion": RBAC_API_VERSION,
+        "kind": "RoleBinding",
+        "metadata": metadata,
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ENDPOINTS_CLUSTERROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": metadata["namespace"]}],
+    }
+
+
+def identity(ctx: RenderContext) -> list[dict[str, Any]]:
+    """A model's own gateway's ServiceAccount and RoleBinding (none without `gateway_identity`)."""
+    if not ctx.gateway_identity:
+        return []
+    account = names.gateway(ctx.name)
+    return [service_account(ctx.metadata(account, labels.GATEWAY)),
+            endpoints_role_binding(ctx.metadata(account, labels.GATEWAY), account)]

@@ -9,7 +9,13 @@ secrets), so the two differ only where sharing demands it:
 - the ConfigMap is mounted as a directory (never subPath: the kubelet updates a directory mount in
   place, and the gateway rereads the file), so a member joining or leaving rolls no Pod;
 - every `apiKeys` Secret is mounted at its own directory, and a model's entry lists the key files
-  that open it (`authKeyFiles`).
+  that open it (`authKeyFiles`);
+- a member's `endpoint.balancing` goes into a second key of the same ConfigMap, `balancing.json`,
+  only when some member sets it (never into `models.json`: the previous release's gateway refuses a
+  table entry with a field it does not know, and crash-loops on its next start);
+- the gateway's identity (ServiceAccount and RoleBinding) is built as a model's own gateway's is
+  (hooks.resources.gateway), named like the shared gateway's Deployment; it watches the EndpointSlices
+  of every member's backend Service, all in its own namespace.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.modeltable import LIST_FIELDS
+from gateway.modeltable import BALANCING_FIELDS, BALANCING_FILE, LIST_FIELDS
 from hooks.api.llmgateway import LLMGateway, LLMGatewaySpec
+from hooks.api.llmservice import Balancing
 from hooks.config import HookConfig
 from hooks.resources import disruption, gateway, labels, names, scaler, secrets
 from hooks.resources.context import ADMIN_PORT, GATEWAY_PORT, METRIC_NAME, PUBLIC_PORT, service_object, tcp_port
@@ -42,6 +49,9 @@ class SharedContext:
     namespace: str
     config: HookConfig
     uid: str = ""
+    # As RenderContext.gateway_identity: a ServiceAccount and RoleBinding of its own, and balancing
+    # over the members' Pods, only when the calling controller manages those child types.
+    gateway_identity: bool = True
 
     @property
     def name(self) -> str:
@@ -106,12 +116,36 @@ def table_json(entries: list[dict[str, Any]]) -> str:
     return json.dumps({"models": entries}, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
-def routes_configmap(ctx: SharedContext, entries: list[dict[str, Any]]) -> dict[str, Any]:
+def member_balancing(balancing: Balancing | None) -> dict[str, Any]:
+    """A member's balancing.json entry: the fields it sets, and only those (empty when none)."""
+    if balancing is None:
+        return {}
+    entry = balancing.model_dump(by_alias=True, exclude_none=True, mode="json")
+    # Only keys of the gateway's own list (gateway.modeltable), which is the API's (a test holds both
+    # equal): the hooks never write a key the gateway does not read.
+    return {key: value for key, value in entry.items() if key in BALANCING_FIELDS}
+
+
+def balancing_json(by_model: dict[str, dict[str, Any]]) -> str:
+    """balancing.json as the gateway reads it (gateway.modeltable.apply_balancing): compact, keys sorted,
+    so the same settings are the same bytes on every resync."""
+    return json.dumps({"models": by_model}, separators=(",", ":"), sort_keys=True, ensure_ascii=True,
+                      allow_nan=False)
+
+
+def routes_configmap(ctx: SharedContext, entries: list[dict[str, Any]],
+                     balancing: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The model table, and beside it `balancing.json` with the members that set any balancing (by served
+    name). Without such a member the ConfigMap has the table only, as before balancing existed."""
+    data = {MODELS_FILE: table_json(entries)}
+    chosen = {name: entry for name, entry in (balancing or {}).items() if entry}
+    if chosen:
+        data[BALANCING_FILE] = balancing_json(chosen)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": ctx.metadata(names.shared_routes(ctx.name), labels.ROUTES),
-        "data": {MODELS_FILE: table_json(entries)},
+        "data": data,
     }
 
 
@@ -127,6 +161,8 @@ def env(ctx: SharedContext) -> list[dict[str, str]]:
         gateway.env_var("NOCTAYA_MODEL_TABLE_FILE", f"{MODELS_DIR}/{MODELS_FILE}"),
         gateway.env_var("NOCTAYA_METRIC_NAME", METRIC_NAME),
         *gateway.scaler_env(ctx.multi_gateway, gateway.report_url_at(ctx.host(names.shared_scaler(ctx.name)))),
+        # After everything a shared gateway rendered before (the env's order is the template's).
+        *gateway.endpoint_source_env(ctx.gateway_identity),
     ]
 
 
@@ -147,7 +183,8 @@ def deployment(ctx: SharedContext) -> dict[str, Any]:
         mounts.append(mount)
     container = gateway.gateway_container(ctx.config, env(ctx), gateway.container_resources(ctx.spec.resources),
                                           mounts, local_scaler=not ctx.multi_gateway)
-    pod_spec = gateway.restricted_pod(ctx.spec.image_pull_secrets, [container], volumes)
+    account = names.shared_gateway(ctx.name) if ctx.gateway_identity else None
+    pod_spec = gateway.restricted_pod(ctx.spec.image_pull_secrets, [container], volumes, account)
     if ctx.multi_gateway:
         pod_spec["affinity"] = gateway.anti_affinity(ctx.selector(labels.GATEWAY))
     return gateway.deployment_object(ctx.metadata(names.shared_gateway(ctx.name), labels.GATEWAY), ctx.spec.replicas,
@@ -160,6 +197,15 @@ def public_service(ctx: SharedContext) -> dict[str, Any]:
     # Only HTTP: the gRPC scaler is never exposed here.
     return service_object(ctx.metadata(names.shared_gateway(ctx.name), labels.GATEWAY, svc.annotations),
                           ctx.selector(labels.GATEWAY), [tcp_port("http", PUBLIC_PORT)], svc.type)
+
+
+def identity(ctx: SharedContext) -> list[dict[str, Any]]:
+    """The shared gateway's ServiceAccount and RoleBinding (none without `gateway_identity`)."""
+    if not ctx.gateway_identity:
+        return []
+    account = names.shared_gateway(ctx.name)
+    return [gateway.service_account(ctx.metadata(account, labels.GATEWAY)),
+            gateway.endpoints_role_binding(ctx.metadata(account, labels.GATEWAY), account)]
 
 
 def scaler_service(ctx: SharedContext) -> dict[str, Any]:

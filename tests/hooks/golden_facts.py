@@ -12,8 +12,11 @@ from typing import Any
 
 Answer = dict[str, Any]
 
+# The gateway's identity (ServiceAccount + RoleBinding) comes with it: the golden requests name the
+# controller without its manifest, which counts as this release's (it lists both child types).
 LLM_CHILDREN = {("Deployment", "qwen-backend"), ("Service", "qwen-backend"), ("PersistentVolumeClaim", "qwen-cache"),
-                ("Deployment", "qwen-gateway"), ("Service", "qwen-gateway"), ("Service", "qwen-scaler")}
+                ("Deployment", "qwen-gateway"), ("Service", "qwen-gateway"), ("Service", "qwen-scaler"),
+                ("ServiceAccount", "qwen-gateway"), ("RoleBinding", "qwen-gateway")}
 
 
 def cond(answer: Answer, ctype: str) -> str:
@@ -50,6 +53,22 @@ def _cold_single_gateway(a: Answer) -> None:
     assert {"name": "admin", "containerPort": 9092, "protocol": "TCP"} in gateway["ports"]
     services = [c for c in a["children"] if c["kind"] == "Service"]
     assert all(p.get("targetPort") != "admin" and p["port"] != 9092 for s in services for p in s["spec"]["ports"])
+    _gateway_identity(a)
+
+
+def _gateway_identity(a: Answer) -> None:
+    """The gateway Pod (only it: the ServiceAccount mounts nothing itself) may list and watch the
+    EndpointSlices of its namespace through a RoleBinding there, and balances over the backend's Pods."""
+    assert child(a, "ServiceAccount", "qwen-gateway")["automountServiceAccountToken"] is False
+    binding = child(a, "RoleBinding", "qwen-gateway")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "noctaya-gateway-endpoints"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen-gateway", "namespace": "models"}]
+    pod = child(a, "Deployment", "qwen-gateway")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "qwen-gateway" and pod["automountServiceAccountToken"] is True
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+    assert env["NOCTAYA_ENDPOINT_SOURCE"] == "endpointslices"
+    assert not {"NOCTAYA_PREFIX_AFFINITY", "NOCTAYA_POD_BATCH"} & set(env)  # balancing unset: nothing rendered
 
 
 def _multi_gateway(a: Answer) -> None:

@@ -21,6 +21,9 @@ CHILD_GROUPS = (
     "PodDisruptionBudget.policy/v1",
     "PersistentVolumeClaim.v1",
     "Job.batch/v1",
+    # The gateway's identity (noctaya-llmservice lists both since balancing over the backend's Pods).
+    "ServiceAccount.v1",
+    "RoleBinding.rbac.authorization.k8s.io/v1",
 )
 KEDA_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1",

@@ -25,6 +25,8 @@ KINDS = {
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
     ("batch/v1", "Job"): "V1Job",
     ("v1", "ConfigMap"): "V1ConfigMap",  # an LLMGateway's routing table
+    ("v1", "ServiceAccount"): "V1ServiceAccount",  # a gateway's identity
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
 }
 _PRIMITIVES = {"str": str, "int": int, "bool": bool, "float": (int, float), "bytes": str, "datetime": str}
 

@@ -156,6 +156,13 @@ def scenarios(draw: st.DrawFn) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "coldRequestMode": draw(st.sampled_from(["keepalive", "reject"])),
         "service": {"type": draw(st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer"]))},
     }
+    if draw(st.booleans()):  # each field set or not: what the gateway's env and inputs digest follow
+        balancing: dict[str, Any] = {}
+        if draw(st.booleans()):
+            balancing["prefixAffinity"] = draw(st.booleans())
+        if draw(st.booleans()):
+            balancing["coldBatchPerPod"] = draw(st.integers(1, 1024))
+        endpoint["balancing"] = balancing
     # A quarter are members of a shared gateway, which take no auth or scaler TLS and one replica.
     member = draw(st.sampled_from([False, False, False, True]))
     if member:

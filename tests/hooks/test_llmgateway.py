@@ -30,7 +30,8 @@ ROLEBINDINGS = "RoleBinding.rbac.authorization.k8s.io/v1"
 # What docs/install.md tells users to apply in a namespace that holds LLMGateways.
 ENABLING_FILE = Path(__file__).resolve().parents[2] / "metacontroller" / "llmgateway-namespace" / "rolebinding.yaml"
 K8S_TYPES = {"Deployment": "V1Deployment", "Service": "V1Service", "Secret": "V1Secret",
-             "PodDisruptionBudget": "V1PodDisruptionBudget", "ConfigMap": "V1ConfigMap"}
+             "PodDisruptionBudget": "V1PodDisruptionBudget", "ConfigMap": "V1ConfigMap",
+             "ServiceAccount": "V1ServiceAccount", "RoleBinding": "V1RoleBinding"}
 
 
 def llmgateway_obj(status: dict[str, Any] | None = None, generation: int = 1, **spec: Any) -> dict[str, Any]:
@@ -283,7 +284,8 @@ def test_one_replica_runs_the_scaler_in_the_gateway() -> None:
                               service={"type": "LoadBalancer", "annotations": {"b": "2", "a": "1"}}),
                [member("qwen")])
     assert sorted(by_kind(out)) == [("ConfigMap", "front-llmgwroutes"), ("Deployment", "front-llmgw"),
-                                    ("Service", "front-llmgw"), ("Service", "front-llmgwscaler")]
+                                    ("RoleBinding", "front-llmgw"), ("Service", "front-llmgw"),
+                                    ("Service", "front-llmgwscaler"), ("ServiceAccount", "front-llmgw")]
     deploy = by_kind(out)[("Deployment", "front-llmgw")]
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     assert container["env"][:-2] == [
@@ -297,6 +299,7 @@ def test_one_replica_runs_the_scaler_in_the_gateway() -> None:
         {"name": "NOCTAYA_METRIC_NAME", "value": "noctaya-demand"},
         {"name": "NOCTAYA_SCALER_MODE", "value": "local"},
         {"name": "NOCTAYA_SCALER_PORT", "value": "9090"},
+        {"name": "NOCTAYA_ENDPOINT_SOURCE", "value": "endpointslices"},
     ]
     assert [p["name"] for p in container["ports"]] == ["http", "admin", "grpc"]
     assert container["resources"] == {"requests": {"cpu": "200m", "memory": "64Mi"}, "limits": {"memory": "512Mi"}}
@@ -306,7 +309,9 @@ def test_one_replica_runs_the_scaler_in_the_gateway() -> None:
     pod = deploy["spec"]["template"]["spec"]
     assert {"name": "models", "configMap": {"name": "front-llmgwroutes", "defaultMode": 0o440}} in pod["volumes"]
     assert pod["imagePullSecrets"] == [{"name": "mirror"}]
-    assert pod["automountServiceAccountToken"] is False and "affinity" not in pod
+    # Its own identity (the gateway watches the members' EndpointSlices), the token mounted by this Pod only.
+    assert pod["serviceAccountName"] == "front-llmgw" and pod["automountServiceAccountToken"] is True
+    assert "affinity" not in pod
     assert deploy["spec"]["replicas"] == 1
     assert deploy["spec"]["selector"]["matchLabels"] == {labels.LLMGATEWAY: GW, labels.COMPONENT: "gateway"}
     public = by_kind(out)[("Service", "front-llmgw")]
@@ -328,8 +333,8 @@ def test_several_replicas_report_to_an_aggregator_like_a_models_own_gateways() -
     children = by_kind(out)
     assert sorted(children) == [
         ("ConfigMap", "front-llmgwroutes"), ("Deployment", "front-llmgw"), ("Deployment", "front-llmgwaggregator"),
-        ("PodDisruptionBudget", "front-llmgw"), ("Secret", "front-llmgwtoken"), ("Service", "front-llmgw"),
-        ("Service", "front-llmgwscaler")]
+        ("PodDisruptionBudget", "front-llmgw"), ("RoleBinding", "front-llmgw"), ("Secret", "front-llmgwtoken"),
+        ("Service", "front-llmgw"), ("Service", "front-llmgwscaler"), ("ServiceAccount", "front-llmgw")]
     deploy = children[("Deployment", "front-llmgw")]
     env = env_of(deploy)
     assert env["NOCTAYA_SCALER_MODE"] == "report"

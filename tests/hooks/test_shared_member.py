@@ -36,7 +36,7 @@ SHARED_SCALER = "chat-llmgwscaler.models.svc.cluster.local:9090"
 # What a per-model LLMService renders for its gateway and a member does not (replicas 2: all of it).
 GATEWAY_CHILDREN = {("Deployment", "qwen-gateway"), ("Service", "qwen-gateway"), ("Service", "qwen-scaler"),
                     ("Deployment", "qwen-aggregator"), ("PodDisruptionBudget", "qwen-gateway"),
-                    ("Secret", "qwen-scaler-token")}
+                    ("Secret", "qwen-scaler-token"), ("ServiceAccount", "qwen-gateway"), ("RoleBinding", "qwen-gateway")}
 SYNC_PATH = "/v1/llmservice/sync"
 CUSTOMIZE_PATH = "/v1/llmservice/customize"
 DECORATOR_PATH = "/v1/llmservice/autoscaling/sync"
@@ -344,7 +344,8 @@ def test_switching_back_renders_the_gateway_children_again() -> None:
     alone = per_model(status=status, generation=2)
     answer = sync.sync(request(alone, llmgateway(), children=observed), h.config(h.LATER_TIME))
     assert kinds(answer["children"]) == kinds(observed) | {("Deployment", "qwen-gateway"), ("Service", "qwen-gateway"),
-                                                           ("Service", "qwen-scaler")}
+                                                           ("Service", "qwen-scaler"), ("ServiceAccount", "qwen-gateway"),
+                                                           ("RoleBinding", "qwen-gateway")}
     assert answer["status"]["endpoint"] == "http://qwen-gateway.models.svc.cluster.local/v1"
     assert cond(answer, "GatewayReady")["reason"] == "Progressing"  # its own gateway, not created yet
 

@@ -212,7 +212,14 @@ def test_network_policies_give_serving_pods_dns_only_and_the_prewarm_job_https()
     assert set(download["spec"]["podSelector"]["matchLabels"]) == {"serving.noctaya.io/llmservice",
                                                                    "serving.noctaya.io/component"}
     assert _egress_ports(download) == {(443, "TCP")}
+    # Gateways reach the API server (their EndpointSlice watch) at one address the user sets, nowhere else.
+    kube_api = policies["noctaya-gateway-kube-api"]
+    assert kube_api["spec"]["podSelector"]["matchLabels"] == {"serving.noctaya.io/component": "gateway"}
+    assert kube_api["spec"]["policyTypes"] == ["Egress"]
+    assert _egress_ports(kube_api) == {(6443, "TCP"), (443, "TCP")}
+    for rule in kube_api["spec"]["egress"]:
+        assert [peer["ipBlock"]["cidr"].endswith("/32") for peer in rule["to"]] == [True], rule
     # No other policy opens egress beyond DNS and Noctaya's own ports.
     for name, policy in policies.items():
-        if name not in ("noctaya-prewarm-egress", "noctaya-backend-download-qwen-7b"):
+        if name not in ("noctaya-prewarm-egress", "noctaya-backend-download-qwen-7b", "noctaya-gateway-kube-api"):
             assert (443, "TCP") not in _egress_ports(policy), name

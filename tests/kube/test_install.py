@@ -63,6 +63,8 @@ def test_metacontroller_kustomization_installs_everything(installed: ControlPlan
         "clusterrolebinding.rbac.authorization.k8s.io/noctaya-metacontroller",
         # Bound per namespace only (metacontroller/llmgateway-namespace/), never by the install itself.
         "clusterrole.rbac.authorization.k8s.io/noctaya-metacontroller-llmgateway",
+        # Bound by each gateway's own RoleBinding, which the hooks render in the gateway's namespace.
+        "clusterrole.rbac.authorization.k8s.io/noctaya-gateway-endpoints",
     }
 
 
@@ -122,6 +124,9 @@ def test_llmservice_controller_children_and_update_strategies(installed: Control
         ("policy/v1", "poddisruptionbudgets"): "InPlace",
         ("v1", "persistentvolumeclaims"): "OnDelete",
         ("batch/v1", "jobs"): "OnDelete",
+        # The gateway's identity: the hooks render it only while both are listed (hooks.controller.observe).
+        ("v1", "serviceaccounts"): "InPlace",
+        ("rbac.authorization.k8s.io/v1", "rolebindings"): "InPlace",
     }
     # KEDA is optional at install time: a missing child CRD would stop this whole controller.
     assert not any(c["apiVersion"].startswith("keda.sh/") for c in spec["childResources"])

@@ -36,8 +36,7 @@ def runtime_doc(path: Path) -> dict[str, Any]:
     return doc
 
 
-def pods(runtime: dict[str, Any], cache: str, multi: bool) -> dict[str, dict[str, Any]]:
-    """component -> a Pod built from each rendered Deployment's template."""
+def render_children(runtime: dict[str, Any], cache: str, multi: bool) -> list[dict[str, Any]]:
     vendor = runtime["spec"].get("accelerator", {}).get("vendor", "nvidia")
     service = {
         "apiVersion": "serving.noctaya.io/v1alpha1", "kind": "LLMService",
@@ -46,8 +45,13 @@ def pods(runtime: dict[str, Any], cache: str, multi: bool) -> dict[str, dict[str
                  "resources": {"accelerators": 0 if vendor == "none" else 1},
                  "cache": CACHES[cache], "endpoint": {"replicas": 2 if multi else 1}},
     }
+    return render_documents([runtime, service])
+
+
+def pods(runtime: dict[str, Any], cache: str, multi: bool) -> dict[str, dict[str, Any]]:
+    """component -> a Pod built from each rendered Deployment's template."""
     out = {}
-    for obj in render_documents([runtime, service]):
+    for obj in render_children(runtime, cache, multi):
         if obj["kind"] == "Deployment":
             template = obj["spec"]["template"]
             component = template["metadata"]["labels"]["serving.noctaya.io/component"]
@@ -68,8 +72,19 @@ def namespaces(kube: ControlPlane) -> dict[str, str]:
             "metadata": {"name": name, "labels": {"pod-security.kubernetes.io/enforce": level,
                                                   "pod-security.kubernetes.io/enforce-version": "latest"}}}))
         kube.kubectl("-n", name, "create", "serviceaccount", "default", check=False)
+        # The gateway's own ServiceAccount, which the hooks render beside it (ServiceAccount admission
+        # refuses a Pod naming one that does not exist; Metacontroller creates it with the Deployment).
+        for account in accounts():
+            kube.kubectl("-n", name, "apply", "--server-side", "-f", "-", stdin=json.dumps(account))
         made[level] = name
     return made
+
+
+def accounts() -> list[dict[str, Any]]:
+    """The ServiceAccounts rendered for the LLMService of `pods` (any runtime renders the same)."""
+    found = [o for o in render_children(runtime_doc(RUNTIMES[0]), "None", multi=False) if o["kind"] == "ServiceAccount"]
+    assert [o["metadata"]["name"] for o in found] == ["psa-gateway"]
+    return [{**o, "metadata": {k: v for k, v in o["metadata"].items() if k != "namespace"}} for o in found]
 
 
 def admitted(kube: ControlPlane, namespace: str, pod: dict[str, Any]) -> tuple[bool, str]:

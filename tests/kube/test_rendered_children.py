@@ -67,7 +67,8 @@ def dry_run_create(kube: ControlPlane, objects: list[dict[str, Any]], what: str)
 def test_golden_fixtures_render_children() -> None:
     kinds = {o["kind"] for c in golden_cases() for o in rendered_objects(json.loads((c / "expected.json").read_text()))}
     # The dry-run below covers every child kind the hooks render.
-    assert {"Deployment", "Service", "Secret", "PodDisruptionBudget", "PersistentVolumeClaim", "ScaledObject"} <= kinds
+    assert {"Deployment", "Service", "Secret", "PodDisruptionBudget", "PersistentVolumeClaim", "ScaledObject",
+            "ServiceAccount", "RoleBinding"} <= kinds
 
 
 @pytest.mark.parametrize("case", golden_cases(), ids=lambda p: p.name)
@@ -156,8 +157,15 @@ def test_noctaya_pods_are_found_in_the_fixtures() -> None:
 def test_gateway_and_aggregator_pods_pass_restricted_pod_security(
     cluster: ControlPlane, restricted_namespace: str, item: tuple[str, dict[str, Any]]
 ) -> None:
-    _case, deployment = item
+    case, deployment = item
     template = deployment["spec"]["template"]
+    account = template["spec"].get("serviceAccountName")
+    if account is not None:
+        # The gateway's own ServiceAccount, a child of the same answer (Metacontroller creates it with
+        # the Deployment): ServiceAccount admission refuses a Pod naming one that does not exist.
+        children = rendered_objects(json.loads((FIXTURES_DIR / case / "expected.json").read_text()))
+        assert ("ServiceAccount", account) in {(o["kind"], o["metadata"]["name"]) for o in children}, case
+        cluster.kubectl("-n", restricted_namespace, "create", "serviceaccount", account, check=False)
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
