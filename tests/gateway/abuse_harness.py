@@ -317,7 +317,10 @@ class GatewayPod:
                    if k not in ("NOCTAYA_BACKEND_URL", "NOCTAYA_SERVED_MODEL_NAME", "NOCTAYA_AUTH_KEY_FILE")}
             env["NOCTAYA_MODEL_TABLE_FILE"] = str(table)
         self.env = env
-        full = {k: v for k, v in os.environ.items() if not k.startswith("NOCTAYA_")}
+        # Not the API server of a cluster this test may itself run in (a CI runner Pod): the rendered
+        # NOCTAYA_ENDPOINT_SOURCE then finds no credentials and the gateway uses the backend URL.
+        full = {k: v for k, v in os.environ.items()
+                if not k.startswith(("NOCTAYA_", "KUBERNETES_SERVICE_"))}
         full.update(env)
         full["PYTHONPATH"] = str(ROOT)
         self._log = tempfile.NamedTemporaryFile(prefix="noctaya-abuse-gw-", suffix=".log", delete=False)  # noqa: SIM115
