@@ -25,6 +25,7 @@ _CACHE_KEY = b'"prompt_cache_key"'
 _PROMPT_FIELDS = (b'"messages"', b'"prompt"', b'"input"')
 _TRIES = 4  # occurrences of a field name looked at (the others were inside string values)
 _SPACE = b" \t\r\n"
+_CACHE_KEY_SEED = 0x6B  # a cache key and a prompt of the same bytes are different keys
 
 
 def _value_start(body: bytes, name: bytes) -> int:
@@ -70,9 +71,9 @@ def affinity_key(body: bytes, prefix_bytes: int = DEFAULT_PREFIX_BYTES) -> int |
         return None
     cache_key = _string_at(body, _value_start(body, _CACHE_KEY)) if _CACHE_KEY in body else None
     if cache_key:
-        return key_hash(b"k:" + cache_key)
+        return key_hash(cache_key, _CACHE_KEY_SEED)
     for name in _PROMPT_FIELDS:
         start = _value_start(body, name)
         if start >= 0:
-            return key_hash(b"p:" + body[start:start + prefix_bytes])
+            return key_hash(memoryview(body)[start:start + prefix_bytes])  # hashed in place, not copied
     return None

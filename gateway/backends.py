@@ -91,7 +91,10 @@ class Backends:
         self.room = gevent.event.Event()  # set while a held request may take a Pod (the cold batch)
         self.room.set()
         self._turn = 0
-        self._slots: dict[str, int] = {}  # Pod name -> its /metrics slot
+        self._counted: dict[str, BackendPod[UpstreamPool]] = {}  # Pods with a /metrics slot, by name
+        self._cells = metrics.backend_pods.cells
+        self._by_name: dict[str, BackendPod[UpstreamPool]] = {}
+        self._by_name_generation = -1
         self._feed: EndpointFeed | None = None
         self._service_name = ""
         self._path = config.backend_base_path + config.readiness_path
@@ -149,9 +152,9 @@ class Backends:
                                                       if not p.endpoint.terminating))
         if self.ring is None or self.ring.names != names:
             self.ring = AffinityRing(names) if len(names) > 1 else None
-        for name in [n for n in self._slots if pods is None or n not in pods.by_name]:
-            self.metrics.backend_pods.free(name)
-            del self._slots[name]
+        for name in [n for n in self._counted if pods is None or n not in pods.by_name]:
+            self.metrics.backend_pods.free(name)  # its series goes: the `pod` label follows the listed Pods
+            self._counted.pop(name).cell = -2
         self._update_room()
 
     def _update_room(self) -> None:
@@ -196,42 +199,70 @@ class Backends:
         keyed = False
         for _ in range(len(pods.eligible) + 1):
             eligible = pods.eligible
-            if not eligible:
+            if len(eligible) == 1 and not (cold and pods.starting):
+                pod, placement = eligible[0], None  # the warm path with one Pod: nothing to decide
+            elif not eligible:
                 raise ConnectFailed(refused=not pods.listed)
-            if not keyed and self.config.prefix_affinity and len(eligible) > 1 and self.ring is not None:
-                key, keyed = affinity_key(body, self.config.affinity_prefix_bytes), True
-            choice = choose(eligible, key=key, ring=self.ring, factor=self.config.affinity_load_factor,
-                            batch=self.config.pod_batch if cold and pods.starting else None, turn=self._turn)
-            self._turn += 1
-            if choice is None:
-                self.room.clear()
-                return None
-            pod: BackendPod[UpstreamPool] = choice.pod  # type: ignore[assignment]
-            # Counted before connecting: a connect yields to the loop, and the requests released with
-            # this one must see it (the cold batch, the load bound) while it connects.
-            self._sent(pod, choice.affinity if len(eligible) > 1 else None)
-            try:
-                conn = pod.pool.acquire()
-            except BaseException as exc:
-                self._unsent(pod)
-                if not isinstance(exc, ConnectFailed):
-                    raise
-                pods.connection_failed(pod)  # nothing sent: try the next Pod
-                self._rebuild()
-                continue
-            conn.pod = pod
-            return conn
+            else:
+                if not keyed and self.config.prefix_affinity and len(eligible) > 1 and self.ring is not None:
+                    key, keyed = affinity_key(body, self.config.affinity_prefix_bytes), True
+                choice = choose(eligible, key=key, ring=self.ring, factor=self.config.affinity_load_factor,
+                                batch=self.config.pod_batch if cold and pods.starting else None, turn=self._turn,
+                                by_name=self._eligible_by_name(pods) if key is not None else None)
+                self._turn += 1
+                if choice is None:
+                    self.room.clear()
+                    return None
+                pod, placement = choice.pod, choice.affinity if len(eligible) > 1 else None  # type: ignore[assignment]
+            conn = self._connect(pods, pod, placement)
+            if conn is not None:
+                return conn
         raise ConnectFailed(refused=False)
 
-    def _sent(self, pod: BackendPod[UpstreamPool], placement: str | None) -> None:
-        pod.outstanding += 1
-        pod.served += 1
-        slot = self._slots.get(pod.name)
-        if slot is None:
-            slot = self._slots[pod.name] = self.metrics.backend_pods.slot(pod.name)
-        self.metrics.backend_pods.sent(slot)
+    def _eligible_by_name(self, pods: BackendPods[UpstreamPool]) -> dict[str, BackendPod[UpstreamPool]]:
+        """The eligible Pods by name, rebuilt only when they changed (not per request)."""
+        if self._by_name_generation != pods.generation:
+            self._by_name = {p.name: p for p in pods.eligible}
+            self._by_name_generation = pods.generation
+        return self._by_name
+
+    def _connect(self, pods: BackendPods[UpstreamPool], pod: BackendPod[UpstreamPool],
+                 placement: str | None) -> UpstreamConnection | None:
+        """A connection to ``pod``, counted; None when connecting failed (nothing sent: the caller tries
+        the next Pod)."""
+        # Counted before connecting: a connect yields to the loop, and the requests released with
+        # this one must see it (the cold batch, the load bound) while it connects.
+        self._sent(pod)
+        try:
+            conn = pod.pool.acquire()
+        except BaseException as exc:
+            self._unsent(pod)
+            if not isinstance(exc, ConnectFailed):
+                raise
+            pods.connection_failed(pod)
+            self._rebuild()
+            return None
         if placement is not None:
             self.metrics.placed(placement)
+        conn.pod = pod
+        return conn
+
+    def _sent(self, pod: BackendPod[UpstreamPool]) -> None:
+        pod.outstanding += 1
+        pod.served += 1
+        cell = pod.cell
+        if cell == -1:
+            cell = pod.cell = self._counter(pod)
+        if cell >= 0:
+            cells = self._cells
+            cells[cell] += 1
+            cells[cell + 1] += 1
+
+    def _counter(self, pod: BackendPod[UpstreamPool]) -> int:
+        """The index of ``pod``'s counters in the worker's /metrics table (assigned on first use)."""
+        table = self.metrics.backend_pods
+        self._counted[pod.name] = pod
+        return table.counter(table.slot(pod.name))
 
     def finish(self, pod: BackendPod[UpstreamPool] | None) -> None:
         """A request counted on ``pod`` (``acquire``'s connection's ``pod``) ended: answered, failed or
@@ -241,10 +272,9 @@ class Backends:
 
     def _unsent(self, pod: BackendPod[UpstreamPool]) -> None:
         pod.outstanding -= 1
-        slot = self._slots.get(pod.name)
-        if slot is not None:
-            self.metrics.backend_pods.finished(slot)
-        if pod.outstanding < self.config.pod_batch and not self.room.is_set():
+        if pod.cell >= 0:
+            self._cells[pod.cell] -= 1
+        if not self.room.is_set() and pod.outstanding < self.config.pod_batch:
             self._update_room()
 
     def connect_failed(self, conn: UpstreamConnection | None = None) -> None:

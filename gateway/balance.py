@@ -4,7 +4,7 @@
   flight from this worker; ties go round robin, so a Pod that just turned Ready (zero outstanding)
   gets the next requests at once.
 - **Prefix affinity with bounded load.** With a key (``gateway.affinity``), consistent hashing: each
-  Pod owns ``VNODES`` points of a 64-bit ring placed by hashing its *name*, so every worker and every
+  Pod owns ``VNODES`` points of a 32-bit ring placed by hashing its *name*, so every worker and every
   gateway replica maps a key to the same Pod, and a Pod joining or leaving moves only the keys it
   takes or had. The key's home is the first Pod clockwise from the key's hash; the request goes to
   the first Pod on that walk whose load stays within ``ceil(factor * (total + 1) / pods)`` (Mirrokni
@@ -22,7 +22,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Sequence
+import zlib
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 __all__ = ["Loaded", "AffinityRing", "Choice", "choose", "bound", "key_hash", "VNODES", "DEFAULT_LOAD_FACTOR"]
@@ -36,36 +37,55 @@ class Loaded(Protocol):
     outstanding: int
 
 
-def key_hash(data: bytes) -> int:
-    """A stable 64-bit hash (the same in every process: never Python's salted ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+def key_hash(data: bytes | memoryview, seed: int = 0) -> int:
+    """A stable 32-bit hash, the same in every process (never Python's salted ``hash``): CRC-32 in C,
+    a tenth of a cryptographic hash's cost per request; a ring needs spread, not secrecy (a client
+    choosing its key only chooses its own Pod, within the load bound)."""
+    return zlib.crc32(data, seed)
+
+
+def _point(name: str, index: int) -> int:
+    """A Pod's ``index``-th point on the ring (computed once per ring, so a strong hash is affordable:
+    its points spread evenly whatever the names look like)."""
+    return int.from_bytes(hashlib.blake2b(f"{name}#{index}".encode(), digest_size=4).digest(), "big")
 
 
 class AffinityRing:
-    """The hash ring of a set of Pod names (rebuilt when the set changes; lookups are a bisect)."""
+    """The hash ring of a set of Pod names (rebuilt when the set changes; a lookup is one bisect into
+    walks computed with the ring: each point's first ``WALK`` distinct Pods)."""
 
-    __slots__ = ("names", "_points", "_owners")
+    __slots__ = ("names", "_points", "_owners", "_walks")
+
+    WALK = 4  # Pods a walk tries before the rest (only when these four are all over the bound)
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = tuple(sorted(names))
-        points = sorted((key_hash(f"{name}#{i}".encode()), name) for name in self.names for i in range(VNODES))
+        points = sorted((_point(name, i), name) for name in self.names for i in range(VNODES))
         self._points = [p for p, _ in points]
         self._owners = [n for _, n in points]
+        self._walks = [self._walk_from(i, min(self.WALK, len(self.names))) for i in range(len(points))]
 
-    def walk(self, key: int) -> list[str]:
-        """Every Pod name, in the order a key's request tries them: its home first."""
-        if not self._points:
-            return []
-        start = bisect.bisect_left(self._points, key)
+    def _walk_from(self, start: int, count: int) -> tuple[str, ...]:
         seen: list[str] = []
-        count = len(self._owners)
-        for i in range(count):
-            name = self._owners[(start + i) % count]
+        owners = self._owners
+        for i in range(len(owners)):
+            name = owners[(start + i) % len(owners)]
             if name not in seen:
                 seen.append(name)
-                if len(seen) == len(self.names):
+                if len(seen) == count:
                     break
-        return seen
+        return tuple(seen)
+
+    def _start(self, key: int) -> int:
+        return bisect.bisect_left(self._points, key) % len(self._points)
+
+    def walk(self, key: int) -> tuple[str, ...]:
+        """The first Pods (at most ``WALK``) a key's request tries, its home first."""
+        return self._walks[self._start(key)] if self._points else ()
+
+    def walk_all(self, key: int) -> tuple[str, ...]:
+        """Every Pod, in the order a key's request tries them."""
+        return self._walk_from(self._start(key), len(self.names)) if self._points else ()
 
 
 def bound(total_outstanding: int, pods: int, factor: float) -> int:
@@ -90,30 +110,40 @@ def _least(pods: Sequence[Loaded], turn: int) -> Loaded:
     return tied[turn % len(tied)]
 
 
-def _by_affinity(pods: Sequence[Loaded], ring: AffinityRing, key: int, factor: float) -> Choice:
-    by_name = {p.name: p for p in pods}
-    limit = bound(sum(p.outstanding for p in pods), len(pods), factor)
+def _by_affinity(pods: Sequence[Loaded], ring: AffinityRing, key: int, factor: float,
+                 by_name: Mapping[str, Loaded] | None) -> Choice:
+    if by_name is None:
+        by_name = {p.name: p for p in pods}
+    total = 0
+    for p in pods:
+        total += p.outstanding
+    limit = max(1, math.ceil(factor * (total + 1) / len(pods)))  # bound(), inlined: once per request
     home = True
-    for name in ring.walk(key):
-        pod = by_name.get(name)
-        if pod is None:  # on the ring but not eligible now (terminating, not ready): skip
-            continue
-        if pod.outstanding + 1 <= limit:
-            return Choice(pod, "hit" if home else "spill")
-        home = False
+    walk = ring.walk(key)
+    for names in (walk, ring.walk_all(key)[len(walk):]):  # the rest only when the first are all full
+        for name in names:
+            pod = by_name.get(name)
+            if pod is None:  # on the ring but not eligible now (terminating, not ready): skip
+                continue
+            if pod.outstanding + 1 <= limit:
+                return Choice(pod, "hit" if home else "spill")
+            home = False
     return Choice(_least(pods, 0), "spill")  # every Pod at the bound: cannot happen, as the bound sums them
 
 
 def choose(pods: Sequence[Loaded], *, key: int | None = None, ring: AffinityRing | None = None,
-           factor: float = DEFAULT_LOAD_FACTOR, batch: int | None = None, turn: int = 0) -> Choice | None:
+           factor: float = DEFAULT_LOAD_FACTOR, batch: int | None = None, turn: int = 0,
+           by_name: Mapping[str, Loaded] | None = None) -> Choice | None:
     """The Pod for one request among the eligible ``pods`` (see the module doc); None when ``batch``
-    leaves no room (the caller holds the request) or there is no Pod."""
+    leaves no room (the caller holds the request) or there is no Pod. ``by_name``: ``pods`` by name,
+    when the caller keeps it (else it is built per call)."""
     if batch is not None:
         pods = [p for p in pods if p.outstanding < batch]
+        by_name = None
     if not pods:
         return None
     if len(pods) == 1:  # nothing to decide: not counted as an affinity outcome
         return Choice(pods[0], "none")
     if key is None or ring is None:
         return Choice(_least(pods, turn), "none")
-    return _by_affinity(pods, ring, key, factor)
+    return _by_affinity(pods, ring, key, factor, by_name)

@@ -48,7 +48,7 @@ class BackendPod(Generic[Pool]):
     """One Pod's state: its endpoint, the gateway's own observations, its load and its pool."""
 
     __slots__ = ("endpoint", "pool", "answered", "connect_failed", "ready_seen", "outstanding", "served",
-                 "answered_at", "kubelet_ready_at", "gone")
+                 "answered_at", "kubelet_ready_at", "gone", "cell")
 
     def __init__(self, endpoint: PodEndpoint, pool: Pool) -> None:
         self.endpoint = endpoint
@@ -61,6 +61,7 @@ class BackendPod(Generic[Pool]):
         self.answered_at: float | None = None  # first passing probe of ours
         self.kubelet_ready_at: float | None = None  # first slice saying ready, seen by us
         self.gone = False  # no longer listed: finishes what it has, takes nothing new
+        self.cell = -1  # its counters' index in the worker's /metrics table (-1: none yet; -2: given up)
 
     @property
     def name(self) -> str:

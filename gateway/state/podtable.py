@@ -89,6 +89,14 @@ class PodTableRow:
         self._slots[name] = slot
         return slot
 
+    @property
+    def cells(self) -> memoryview:
+        """The counters: a slot's are ``cells[counter(slot)]`` (outstanding) and the one after (sent)."""
+        return self.table._cells
+
+    def counter(self, slot: int) -> int:
+        return self.table.cell(self.worker, slot, _OUTSTANDING)
+
     def sent(self, slot: int) -> None:
         table = self.table
         table._cells[table.cell(self.worker, slot, _OUTSTANDING)] += 1
