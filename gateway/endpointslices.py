@@ -55,6 +55,7 @@ READ_TIMEOUT_SECONDS = 330.0
 CONNECT_TIMEOUT_SECONDS = 10.0
 MAX_BACKOFF_SECONDS = 30.0
 STALE_SECONDS = 15.0  # a watch failing this long: subscribers fall back to the Service address
+MIN_WATCH_SECONDS = 5.0  # a watch that ends sooner (not expired) waits the back-off before the next list
 
 
 class NotInCluster(Exception):
@@ -227,7 +228,10 @@ class SliceWatch:
                 version = self._list()
                 backoff = 1.0
                 self._failing_since = None
+                watched = time.monotonic()
                 self._watch(version)
+                if time.monotonic() - watched < MIN_WATCH_SECONDS:  # a proxy or server cutting every watch
+                    raise _Failed("watch_ended_early", "the API server ended the watch at once")
             except _Expired:
                 continue  # list again at once
             except _Failed as exc:

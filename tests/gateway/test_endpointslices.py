@@ -114,9 +114,9 @@ def test_an_expired_watch_lists_again(kube: FakeKube) -> None:
         wait_for(lambda: kube.watches == 1, what="the watch")
         kube.send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}})
         wait_for(lambda: kube.lists == 2 and kube.watches == 2, what="a fresh list and watch")
-        kube.end_watch()  # the server's own timeout: watch again
+        kube.end_watch()  # the server ends the watch: watch again (after the back-off, as it ended at once)
         wait_for(lambda: kube.watches == 3, what="the watch resumed")
-        assert w.failures == 0
+        assert w.failures == 1 and kube.lists == 3
     finally:
         w.stop()
 
@@ -141,7 +141,8 @@ def test_a_refusal_keeps_retrying_and_turns_stale(kube: FakeKube, caplog: pytest
         kube.end_watch()
         wait_for(lambda: seen.seen[-1] is None, timeout=20, what="subscribers told the source is stale")
         assert w.failures >= 2
-        refused = [r for r in caplog.records if "endpoint source failing" in r.getMessage()]
+        refused = [r for r in caplog.records if "endpoint source failing" in r.getMessage()
+                   and r.reason.startswith("forbidden")]
         assert len(refused) == 1  # once per kind of failure, not per attempt
         kube.status = 200
         wait_for(lambda: seen.seen[-1] is not None, timeout=40, what="back once the API answers")
@@ -242,3 +243,18 @@ def test_a_shared_gateway_watches_the_namespace_once_for_every_model(kube: FakeK
         gw.stop()
         for p in pods.values():
             p.stop()
+
+
+def test_a_server_ending_every_watch_at_once_is_no_busy_loop(kube: FakeKube) -> None:
+    """A proxy that cuts every watch the moment it starts: lists and watches back off (1 s doubling),
+    they do not spin."""
+    w, seen = watch(kube)
+    try:
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            kube.end_watch()
+            time.sleep(0.05)
+        assert kube.lists <= 4, kube.lists  # 0 s, ~1 s, ~3 s: not one per cut
+        assert seen.seen[-1] is not None  # every list succeeded: the Pods stay known
+    finally:
+        w.stop()
