@@ -254,7 +254,7 @@ def test_a_server_ending_every_watch_at_once_is_no_busy_loop(kube: FakeKube) -> 
         while time.monotonic() < deadline:
             kube.end_watch()
             time.sleep(0.05)
-        assert kube.lists <= 4, kube.lists  # 0 s, ~1 s, ~3 s: not one per cut
+        assert kube.lists <= 5, kube.lists  # 0 s, ~1 s, ~3 s (jittered): not one per cut (80 cuts)
         assert seen.seen[-1] is not None  # every list succeeded: the Pods stay known
     finally:
         w.stop()
