@@ -1,10 +1,11 @@
 """``python -m bench`` (``make bench``): every benchmark in turn, then the warm path's targets, the
-idle footprint's and the idle members' side by side; exit 1 when any benchmark misses a target.
+idle footprint's, the idle members' and the replicas' side by side; exit 1 when any benchmark misses a target.
 
 ``--quick`` passes ``--quick`` to the benchmarks that have it (the gateway's warm path: shorter
 rounds; the idle footprint: 15 s windows instead of a minute; the idle members: a 20 s window
-instead of 40 s). Full run: about 7 minutes on 2 CPUs (hooks ~12 s, scaler ~11 s, warm path
-~3.4 min, idle footprint ~2.2 min, idle members ~1 min); ``--quick`` about 2.5.
+instead of 40 s; the replicas: one round of each case, ~3.6 min). Full run: about 17 minutes on
+2 CPUs (hooks ~12 s, scaler ~11 s, warm path ~3.4 min, idle footprint ~2.2 min, idle members ~1 min,
+replicas ~9.5 min); ``--quick`` about 6.
 """
 
 import argparse
@@ -16,11 +17,11 @@ import time
 # bench.idle_footprint reports without failing: its goals belong to issue #22, still open (run it with --check).
 # bench.idle_members reports too (--check to fail): a CPU figure of a few hundred µs/s moves with the host.
 BENCHES = ("bench.hooks_bench", "bench.scaler_bench", "bench.gateway_bench", "bench.idle_footprint",
-           "bench.idle_members")
-QUICK = {"bench.gateway_bench", "bench.idle_footprint", "bench.idle_members"}
+           "bench.idle_members", "bench.replicas")
+QUICK = {"bench.gateway_bench", "bench.idle_footprint", "bench.idle_members", "bench.replicas"}
 # The block of each benchmark's output repeated at the end: (benchmark, first line of the block).
 SUMMARY = (("bench.gateway_bench", "== Targets"), ("bench.idle_footprint", "== Idle footprint: targets"),
-           ("bench.idle_members", "== Idle members: targets"))
+           ("bench.idle_members", "== Idle members: targets"), ("bench.replicas", "== Replicas: targets"))
 
 
 def block(lines: list[str], first: str) -> list[str]:
@@ -59,7 +60,7 @@ def main() -> int:
         print(f"##### {module}: exit {code}, {time.monotonic() - t0:.0f} s", flush=True)
         if code != 0:
             failed.append(module)
-    print("\n##### warm path, idle footprint and idle members" + (" (--quick)" if args.quick else ""))
+    print("\n##### warm path, idle footprint, idle members and replicas" + (" (--quick)" if args.quick else ""))
     for module, first in SUMMARY:
         found = block(output.get(module, []), first)
         print(f"\n{module}:")

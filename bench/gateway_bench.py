@@ -79,14 +79,15 @@ def rss_kib(pid: int) -> int:
 
 
 class Gateway:
-    """`python -m gateway` with the given backend and overrides."""
+    """`python -m gateway` with the given backend and overrides; ``root``: the source tree it runs
+    from (another commit's, extracted for an A/B: bench.replicas)."""
 
-    def __init__(self, backend_url: str, cpus: str = CPU0, **env: str) -> None:
+    def __init__(self, backend_url: str, cpus: str = CPU0, root: Path = ROOT, **env: str) -> None:
         self.port = free_port()
         self.scaler_port = free_port()
         self.admin_port = free_port()
         full = {
-            **os.environ, "PYTHONPATH": str(ROOT),
+            **os.environ, "PYTHONPATH": str(root),
             "NOCTAYA_BACKEND_URL": backend_url, "NOCTAYA_SERVED_MODEL_NAME": "bench",
             "NOCTAYA_LISTEN_HOST": "127.0.0.1", "NOCTAYA_LISTEN_PORT": str(self.port),
             "NOCTAYA_ADMIN_PORT": str(self.admin_port),
@@ -95,7 +96,7 @@ class Gateway:
         }
         self.log = tempfile.TemporaryFile()
         pin = ["taskset", "-c", cpus] if cpus else []
-        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "gateway"], cwd=ROOT, env=full,
+        self.proc = subprocess.Popen([*pin, sys.executable, "-m", "gateway"], cwd=root, env=full,
                                      stdout=self.log, stderr=subprocess.STDOUT)
         wait_listening(self.port, 30)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.scaler_port}")
