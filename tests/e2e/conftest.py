@@ -28,6 +28,7 @@ from tests.e2e.cluster import (
     private_listeners,
     process_start_time,
 )
+from tests.e2e.netns import Network, NetworkUnavailable
 from tests.kube.apiserver import ControlPlane, KubeUnavailable, ensure_binaries
 from tests.kube.gobuild import kwok_binary
 
@@ -82,6 +83,22 @@ def cluster() -> Iterator[Cluster]:
     assert Path("/etc/hosts").read_bytes() == hosts_before, "/etc/hosts changed"
     with open("/proc/self/mountinfo") as fh:
         assert " /etc/hosts " not in fh.read(), "a mount over /etc/hosts is visible outside the suite"
+
+
+@pytest.fixture(scope="session")
+def pod_network() -> Iterator[Network]:
+    """Pod IPs that reach the processes playing the Pods (tests/e2e/netns.py), for the kubelets the
+    harness plays itself; skips with the reason where they cannot be made (not root, no `ip`, network
+    namespaces not permitted). Nothing of it outlives the session."""
+    try:
+        network = Network().open()
+    except NetworkUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield network
+    finally:
+        network.close()
+    assert not network.leftovers(), f"Pod network left behind: {network.leftovers()}"
 
 
 def _cmdline(pid: int) -> str:

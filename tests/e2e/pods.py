@@ -10,6 +10,21 @@
   volume is refreshed as the kubelet does it — new files in a fresh directory, then one atomic swap of
   the ``..data`` link — every ``CONFIG_MAP_SYNC_SECONDS`` (a kubelet's periodic Pod sync is about a
   minute by default; the suite shortens it so a membership change is seen within its timeouts).
+  A Pod template that names a ``serviceAccountName`` whose token is automounted (the Pod's
+  ``automountServiceAccountToken``, else the ServiceAccount's, else true, as Kubernetes decides) gets
+  the kubelet's projected token: a token for that ServiceAccount from the TokenRequest API, with the
+  test API server's ``ca.crt`` and the ``namespace``, in a directory of the Pod's own
+  (``NOCTAYA_SERVICE_ACCOUNT_DIR``, where a container would find
+  /var/run/secrets/kubernetes.io/serviceaccount), and ``KUBERNETES_SERVICE_HOST``/``_PORT`` naming the
+  API server, which the kubelet sets in every Pod; the token is renewed at 80 % of its lifetime, as
+  the kubelet renews it. A Pod without a ServiceAccount name, or not automounting its token, gets
+  none of this, the two ``KUBERNETES_SERVICE_*`` variables included, although a kubelet sets them in
+  every Pod: with them and no ``NOCTAYA_SERVICE_ACCOUNT_DIR`` a process would read this machine's own
+  /var/run/secrets/kubernetes.io/serviceaccount, which holds a real cluster's token when the suite runs
+  in a Pod (the default ServiceAccount's token is not played either: the suite's Pods never needed it).
+  ``credentials=False`` plays no token at all: for gateways in front of a ``ModelServer``, which serves
+  every backend Pod at the Service's name while the Pods' IPs are kwok's, which nothing serves; with a
+  token such a gateway would balance over those IPs (issue 41), without one it dials the Service.
   ``LocalPods.rolling_update`` plays a new template as a RollingUpdate Deployment rolls it under
   traffic (new Pod on a new address, Ready, in its Services; old Pod SIGTERMed, out of its Services a
   moment later, ending by itself); ``LocalPods.rollout`` plays it as Recreate on the same addresses.
@@ -34,9 +49,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpcore2
 import httpx2
@@ -52,6 +68,9 @@ DRAIN_GRACE_SECONDS = 30.0  # a scaled-in backend answers what it has in flight 
 CONFIG_MAP_SYNC_SECONDS = 1.0
 REVISION_ANNOTATION = "deployment.kubernetes.io/revision"  # the Deployment controller's, on Deployment and ReplicaSet
 DEFAULT_TERMINATION_GRACE_SECONDS = 30  # a Pod's terminationGracePeriodSeconds when its template has none
+TOKEN_SECONDS = 3600  # a projected service-account token's lifetime (the kubelet's default)
+TOKEN_RENEW_FRACTION = 0.8  # the kubelet renews a projected token once this much of its lifetime passed
+SERVICE_ACCOUNT_WAIT_SECONDS = 30.0  # a Pod's ServiceAccount may be created a moment after its Deployment
 
 
 def service_hosts(name: str, namespace: str) -> list[str]:
@@ -83,11 +102,12 @@ class LocalPods:
     """The replicas of one Deployment in Noctaya's image, as local processes (see the module doc)."""
 
     def __init__(self, cluster: Cluster, namespace: str, deployment: str, env: dict[str, str] | None = None,
-                 source: Path = REPO_ROOT, service_ips: bool = False) -> None:
+                 source: Path = REPO_ROOT, service_ips: bool = False, credentials: bool = True) -> None:
         """``service_ips``: each Service selecting these Pods gets a ``ServiceIP`` its names resolve to
         (a ClusterIP: a connection by name survives a Pod changing address, as in a cluster); without,
         its names resolve to the Pods' own addresses (a headless Service: a client that resolved the
-        name keeps the old address until it resolves again)."""
+        name keeps the old address until it resolves again). ``credentials``: play the Pods'
+        service-account tokens (module doc)."""
         self.cluster = cluster
         self.source = source  # the tree whose code the image runs (another release's, for the upgrade tests)
         self.namespace = namespace
@@ -96,6 +116,9 @@ class LocalPods:
         self.addresses: list[str] = []
         self._names: list[str] = []
         self._config_maps: list[tuple[str, dict[str, Any], Path]] = []  # (Pod, volume source, local mount dir)
+        self._tokens: list[ProjectedToken] = []  # the Pods' service-account tokens, renewed by the sync
+        self.service_account_wait = SERVICE_ACCOUNT_WAIT_SECONDS
+        self.credentials = credentials
         self._template: dict[str, Any] | None = None  # the Pod template the processes run
         self.service_ips: dict[str, ServiceIP] | None = {} if service_ips else None  # by Service name
         self._stop = threading.Event()
@@ -118,7 +141,7 @@ class LocalPods:
         return self
 
     def _start_sync(self) -> None:
-        if self._config_maps and self._sync is None:
+        if (self._config_maps or self._tokens) and self._sync is None:
             self._sync = threading.Thread(target=self._sync_config_maps, name=f"kubelet-{self.deployment}", daemon=True)
             self._sync.start()
 
@@ -174,6 +197,7 @@ class LocalPods:
         for var in container.get("env") or []:
             assert "valueFrom" not in var, f"{name}: env {var['name']} uses valueFrom, which LocalPods does not resolve"
             env[var["name"]] = _rewrite(var["value"], mounts)
+        env.update(self._service_account(name, template["spec"], root))
         env.update(self.env_overrides)
         command = [*container.get("command", []), *container.get("args", [])]
         assert command[:2] == ["python", "-m"], f"{name}: not Noctaya's image command: {command}"
@@ -191,8 +215,8 @@ class LocalPods:
             path.chmod(0o400)
 
     def _write_config_map(self, volume: dict[str, Any], target: Path, refresh: bool = False) -> bool:
-        """The kubelet's atomic writer: the files in a new timestamped directory, then ``..data`` swapped
-        to it with one rename, so a reader never sees a half-written file. True when the data changed."""
+        """The ConfigMap's files, written as the kubelet writes them (``atomic_write``). True when the
+        data changed."""
         obj = self.cluster.get("configmap", volume["name"], self.namespace)
         if obj is None:
             # At start a missing ConfigMap keeps the Pod from starting; later the kubelet keeps the files
@@ -201,24 +225,41 @@ class LocalPods:
             return False
         data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
         items = volume.get("items") or [{"key": k, "path": k} for k in sorted(data)]
-        current = target / "..data"
-        if current.exists() and all((current / i["path"]).read_bytes() == data.get(i["key"], b"") for i in items):
-            return False
-        fresh = target / f"..{time.time_ns()}"
-        fresh.mkdir()
-        for item in items:
-            (fresh / item["path"]).write_bytes(data[item["key"]])
-        old = os.readlink(current) if current.is_symlink() else None
-        link = target / "..data_tmp"
-        link.symlink_to(fresh.name)
-        os.replace(link, current)
-        if old is not None:
-            shutil.rmtree(target / old, ignore_errors=True)
-        for item in items:  # the user-visible names point through ..data, as the kubelet makes them
-            visible = target / item["path"]
-            if not visible.is_symlink():
-                visible.symlink_to(f"..data/{item['path']}")
-        return True
+        return atomic_write(target, {item["path"]: data[item["key"]] for item in items})
+
+    def _service_account(self, pod: str, spec: dict[str, Any], root: Path) -> dict[str, str]:
+        """The env of a Pod whose ServiceAccount token is mounted (module doc), its files written;
+        empty when the template names no ServiceAccount or does not automount its token."""
+        account = spec.get("serviceAccountName")
+        if not account or not self.credentials:
+            return {}
+        # Created by the same sync as the Deployment, it may arrive a moment later: the ReplicaSet
+        # controller retries a Pod the API server refused for want of it as long.
+        deadline = time.monotonic() + self.service_account_wait
+        while (obj := self.cluster.get("serviceaccount", account, self.namespace)) is None and \
+                time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS * 5)
+        assert obj is not None, (f"{pod}: serviceaccount {self.namespace}/{account} does not exist; the kubelet "
+                                 "would not start this Pod (the API server would not even admit it)")
+        automount = spec.get("automountServiceAccountToken")
+        if automount is None:
+            automount = obj.get("automountServiceAccountToken", True)
+        if not automount:
+            return {}
+        token = ProjectedToken(self.cluster, self.namespace, account, root / "serviceaccount")
+        token.renew()
+        self._tokens.append(token)
+        api = urlsplit(self.cluster.plane.url)
+        return {"NOCTAYA_SERVICE_ACCOUNT_DIR": str(token.directory), "KUBERNETES_SERVICE_HOST": str(api.hostname),
+                "KUBERNETES_SERVICE_PORT": str(api.port or 443)}
+
+    def renew_tokens(self, at: float | None = None) -> int:
+        """Renew every token past ``TOKEN_RENEW_FRACTION`` of its lifetime at monotonic time ``at``
+        (now by default), as the kubelet does; how many were renewed."""
+        due = [t for t in self._tokens if t.due(time.monotonic() if at is None else at)]
+        for token in due:
+            token.renew()
+        return len(due)
 
     def _sync_config_maps(self) -> None:
         while not self._stop.wait(CONFIG_MAP_SYNC_SECONDS):
@@ -227,6 +268,10 @@ class LocalPods:
                     self._write_config_map(volume, target, refresh=True)
                 except (requests.RequestException, OSError):
                     pass  # the next sync tries again, as the kubelet does
+            try:
+                self.renew_tokens()
+            except (requests.RequestException, OSError):
+                pass  # likewise: the old token stays valid until it expires
 
     def wait_http(self, port: int, path: str = "/healthz", timeout: float = 30.0) -> None:
         """Until every replica answers ``path`` on ``port`` (the public /healthz, as load balancers ask it)."""
@@ -262,7 +307,8 @@ class LocalPods:
         Requests sent meanwhile fail: for a Deployment under traffic, see ``rolling_update``."""
         addresses = list(self.addresses)
         self.stop()
-        fresh = LocalPods(self.cluster, self.namespace, self.deployment, self.env_overrides, source=source)
+        fresh = LocalPods(self.cluster, self.namespace, self.deployment, self.env_overrides, source=source,
+                          credentials=self.credentials)
         return fresh.start(len(addresses), addresses=addresses)
 
     def new_replica_set(self, timeout: float = 60.0) -> dict[str, Any]:
@@ -364,6 +410,70 @@ class LocalPods:
             if self.cluster.wait_process(name, 0) is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not Ready at {address}:{port}: {self.cluster.log_tail(name)}")
             time.sleep(POLL_SECONDS)
+
+
+def atomic_write(target: Path, files: dict[str, bytes]) -> bool:
+    """The kubelet's atomic writer (ConfigMap, Secret and projected volumes): the files in a new
+    timestamped directory, then ``..data`` swapped to it with one rename, so a reader never sees a
+    half-written file; each visible name a link through ``..data``. True when the data changed."""
+    current = target / "..data"
+    if current.exists() and all((current / path).exists() and (current / path).read_bytes() == data
+                                for path, data in files.items()):
+        return False
+    fresh = target / f"..{time.time_ns()}"
+    fresh.mkdir()
+    for path, data in files.items():
+        (fresh / path).write_bytes(data)
+    old = os.readlink(current) if current.is_symlink() else None
+    link = target / "..data_tmp"
+    link.symlink_to(fresh.name)
+    os.replace(link, current)
+    if old is not None:
+        shutil.rmtree(target / old, ignore_errors=True)
+    for path in files:
+        visible = target / path
+        if not visible.is_symlink():
+            visible.symlink_to(f"..data/{path}")
+    return True
+
+
+class ProjectedToken:
+    """A Pod's projected service-account token (token, ca.crt, namespace in ``directory``) as the
+    kubelet keeps it: requested from the TokenRequest API for ``TOKEN_SECONDS``, renewed once
+    ``TOKEN_RENEW_FRACTION`` of that has passed."""
+
+    def __init__(self, cluster: Cluster, namespace: str, account: str, directory: Path) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.account = account
+        self.directory = directory
+        self.issued: float | None = None  # monotonic
+        self.seconds = TOKEN_SECONDS
+        self.renewals = 0
+
+    def due(self, at: float) -> bool:
+        return self.issued is None or at - self.issued >= TOKEN_RENEW_FRACTION * self.seconds
+
+    def renew(self) -> None:
+        plane = self.cluster.plane
+        resp = requests.post(
+            f"{plane.url}/api/v1/namespaces/{self.namespace}/serviceaccounts/{self.account}/token",
+            json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                  "spec": {"expirationSeconds": TOKEN_SECONDS}},
+            headers={"Authorization": f"Bearer {plane.token}"}, verify=str(plane.ca_file), timeout=10)
+        assert resp.status_code != 404, (f"serviceaccount {self.namespace}/{self.account} does not exist: the "
+                                         "kubelet cannot mount its token")
+        resp.raise_for_status()
+        issued = time.monotonic()
+        status = resp.json()["status"]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.directory, {"token": status["token"].encode(), "ca.crt": plane.ca_file.read_bytes(),
+                                      "namespace": self.namespace.encode()})
+        self.renewals += self.issued is not None
+        self.issued = issued
+        # The lifetime the API server granted (it may change the one asked for), counted from now.
+        expires = datetime.fromisoformat(status["expirationTimestamp"].replace("Z", "+00:00"))
+        self.seconds = max(1.0, (expires - datetime.now(UTC)).total_seconds())
 
 
 class ServiceIP:

@@ -4,18 +4,21 @@ tests/engines/llamacpp.py) serving a tiny GGUF, delivered as users deliver weigh
 (``python -m prewarm hub``), into the node's HostPath cache; then the backend Pod's init container and
 the engine container the hooks rendered for ``examples/runtimes/llamacpp-cpu-staged.yaml``, its
 command, args and env expanded as the kubelet does (tests/e2e/engine_pods.py plays that kubelet; kwok
-plays nothing in this namespace). Real KEDA, real Metacontroller, the rendered gateway, the `openai`
-client.
+plays nothing in this namespace), each Pod in a network namespace of its own with a Pod IP that the
+EndpointSlice controller publishes, its args unchanged. Real KEDA, real Metacontroller, the rendered
+gateway, the `openai` client.
 
 Each test can fail on a wrong runtime: a wrong model argument (the engine never serves: the cold
 request times out), a metric name the engine does not export (the preStop drain returns while the
-stream is in flight), a readiness path it does not serve (never Ready).
+stream is in flight), a readiness path it does not serve (never Ready), an engine bound to its Pod's
+loopback (``--host 127.0.0.1``: unreachable, never Ready, as in a cluster).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +33,8 @@ from demo.hub import FakeHub, HubRepo
 from hooks.resources.gateway import READY_GRACE_SECONDS
 from tests.e2e.cluster import Cluster, Timeline, private_loopback_address
 from tests.e2e.engine_pods import ENGINE_NAMESPACE, EngineKubelet
+from tests.e2e.kubelet import endpoint_slice_addresses
+from tests.e2e.netns import Network
 from tests.e2e.pods import stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import COOLDOWN_SECONDS, MODEL_PORT, Model, keda  # noqa: F401 (fixture)
@@ -59,7 +64,8 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
     commit = hashlib.sha1(b"corrupt").hexdigest()
     repos = {staged.REPO_ID: staged.hub_repo(good),
              CORRUPT_REPO: HubRepo({commit: {staged.GGUF_FILE: corrupt}}, {"main": commit})}
-    # On an address of its own: a Pod's 127.0.0.1 is the Pod itself (tests/engines/container.py).
+    # On an address of its own: a Pod's 127.0.0.1 is the Pod itself; the Pods' network namespaces
+    # reach the suite's other private loopback addresses (tests/e2e/netns.py).
     with FakeHub(repos, host=private_loopback_address(set(), 80)) as served:
         yield served
 
@@ -90,13 +96,14 @@ def engines(cluster: Cluster, runtime: None, llama_server: str) -> Iterator[dict
         cluster.kubectl("delete", "namespace", ENGINE_NAMESPACE, "--wait=false", check=False)
 
 
-def manifest(name: str, hub_url: str, repo: str = staged.REPO_ID, **scaling: str) -> str:
+def manifest(name: str, hub_url: str, repo: str = staged.REPO_ID, runtime: str = "llamacpp-cpu-staged",
+             **scaling: str) -> str:
     doc = {
         "apiVersion": "serving.noctaya.io/v1alpha1", "kind": "LLMService",
         "metadata": {"name": name, "namespace": ENGINE_NAMESPACE},
         "spec": {
             "model": {"source": f"hf://{repo}", "servedName": name},
-            "runtime": {"name": "llamacpp-cpu-staged", "args": ["--threads", "1"],
+            "runtime": {"name": runtime, "args": ["--threads", "1"],
                         "env": [{"name": "HF_ENDPOINT", "value": hub_url},
                                 {"name": "GGUF_FILE", "value": staged.GGUF_FILE}]},
             "resources": {"accelerators": 0, "cpu": "1", "memory": "1Gi"},
@@ -110,18 +117,19 @@ def manifest(name: str, hub_url: str, repo: str = staged.REPO_ID, **scaling: str
 
 @pytest.fixture
 def engine_model(cluster: Cluster, engines: dict[str, Model], hub: FakeHub, llama_server: str,
-                 timeline: Timeline) -> Callable[..., Model]:
-    def make(name: str, repo: str = staged.REPO_ID, **scaling: str) -> Model:
+                 timeline: Timeline, pod_network: Network) -> Callable[..., Model]:
+    def make(name: str, repo: str = staged.REPO_ID, runtime: str = "llamacpp-cpu-staged", **scaling: str) -> Model:
         if name in engines:
             engines[name].timeline = engines[name].server.timeline = timeline
             return engines[name]
         # The images' programs: Noctaya's python (the prewarm Job) and the engine's llama-server.
         programs = {"python": sys.executable, staged.ENGINE_PROGRAM: llama_server}
-        kubelet = EngineKubelet(cluster, name, MODEL_PORT, programs, timeline).start()
+        kubelet = EngineKubelet(cluster, pod_network, name, MODEL_PORT, programs, timeline).start()
         model = engines[name] = Model(cluster, timeline, name, ENGINE_NAMESPACE, server=kubelet)
         if cluster.get("namespace", ENGINE_NAMESPACE) is None:
             cluster.kubectl("create", "namespace", ENGINE_NAMESPACE)
-        cluster.kubectl("apply", "--server-side", "-f", "-", stdin=manifest(name, hub.url, repo, **scaling))
+        cluster.kubectl("apply", "--server-side", "-f", "-",
+                        stdin=manifest(name, hub.url, repo, runtime=runtime, **scaling))
         model.wait("prewarm Job run by the kubelet, then the backend", lambda: model.get("deployment", "-backend")
                    is not None, timeout=120)
         model.wait("gateway and ScaledObject created", lambda: model.get("deployment", "-gateway") is not None
@@ -178,13 +186,21 @@ def test_a_cold_streamed_completion_is_the_real_engines_own(engine_model: Callab
     sent = time.monotonic()
     text, first, tokens = stream(client, "tiny")
     started = event_time(model, r"engine started \(restart 0\)")
-    ready = event_time(model, r": Ready")
-    assert started is not None and ready is not None, timeline.text()
-    # Held while the engine loaded and its /health said no: the first token came after Ready.
-    assert sent < started < ready < first, (sent, started, ready, first, timeline.text())
+    assert started is not None, timeline.text()
+    # Held while the engine started and loaded: the first token came after the engine process began.
+    # Not necessarily after the kubelet's Ready: a gateway that balances over the backend's Pods
+    # (issue 41) probes a Pod that is not Ready yet itself, and may see it answer first.
+    assert sent < started < first, (sent, started, first, timeline.text())
     assert tokens >= 1 and text, (text, tokens)
+    model.wait("the backend Pod Ready", lambda: len(engine.ready_engines()) == 1, timeout=30)
+    ready = event_time(model, r": Ready")
+    assert ready is not None and started < ready, timeline.text()
     (pod,) = engine.ready_engines()
     assert engine_counter(pod.address, "llamacpp:tokens_predicted_total") >= tokens
+    # The Pod's own IP, not a loopback address, is what the EndpointSlice controller published.
+    assert not pod.address.startswith("127.") and pod.answered_at is not None, engine.pod_states()
+    model.wait("the backend Pod's IP ready in the backend Service's EndpointSlice", lambda: endpoint_slice_addresses(
+        model.cluster, ENGINE_NAMESPACE, "tiny-backend").get(pod.address, {}).get("ready") is True, timeout=30)
     # Warm: the listing is the engine's own (llama-server says owned_by llamacpp and adds its meta).
     warm = requests.get(f"{model.gateways.url(0, 8080)}/v1/models", timeout=10).json()["data"]
     assert [m["id"] for m in warm] == ["tiny"] and warm[0].get("owned_by") == "llamacpp", warm
@@ -200,6 +216,8 @@ def test_a_pod_deleted_mid_stream_drains_on_the_engines_real_metrics(engine_mode
     engine = kubelet(model)
     client = model.client()
     stream(client, "tiny")  # warm (again) before the long stream
+    # Its answer may come before the kubelet reports the Pod Ready (see the first test).
+    model.wait("the backend Pod Ready", lambda: len(engine.ready_engines()) == 1, timeout=30)
     (pod,) = engine.ready_engines()
     result: dict[str, object] = {}
 
@@ -263,3 +281,42 @@ def test_a_corrupt_gguf_crash_loops_reports_why_and_the_client_gets_the_document
     model.wait("LLMService BackendReady=False/CrashLoop", crash_loop, timeout=60)
     message = next(c["message"] for c in model.get("llmservice")["status"]["conditions"] if c["type"] == "BackendReady")
     print(f"\ncorrupt GGUF: 504 activation_timeout; BackendReady=False/CrashLoop: {message[:200]}")
+
+
+LOOPBACK_RUNTIME = "llamacpp-cpu-staged-loopback"
+
+
+def test_an_engine_bound_to_its_pods_loopback_is_never_ready_as_in_a_cluster(
+        engine_model: Callable[..., Model], cluster: Cluster, pod_network: Network, timeline: Timeline) -> None:
+    # A runtime whose engine listens on 127.0.0.1: in a cluster that is the Pod's own loopback, which
+    # neither the kubelet's probe nor the Service reaches. Each Pod's network namespace runs the args
+    # as rendered, so the harness sees what a cluster would (it used to rewrite 127.0.0.1 into the
+    # Pod's address, and such a runtime passed).
+    runtime = yaml.safe_load(RUNTIME.read_text())
+    runtime["metadata"]["name"] = LOOPBACK_RUNTIME
+    args = runtime["spec"]["args"]
+    args[args.index("--host") + 1] = "127.0.0.1"
+    cluster.kubectl("apply", "--server-side", "-f", "-", stdin=yaml.safe_dump(runtime))
+    model = engine_model("loopback", runtime=LOOPBACK_RUNTIME, activationTimeout="20s", cooldownPeriod="120s")
+    engine = kubelet(model)
+    with pytest.raises(openai.APIStatusError) as failed:
+        model.client().chat.completions.create(model="loopback", messages=[{"role": "user", "content": "hi"}])
+    assert failed.value.status_code == 504 and "activation_timeout" in failed.value.response.text, failed.value
+    (pod,) = engine.backends()
+    assert pod.network is not None and pod.engine is not None
+
+    def answers_inside() -> bool:
+        # The engine serves, on the loopback of its own Pod (where its preStop hook asks it).
+        probe = subprocess.run([*pod_network.exec_prefix(pod.network), sys.executable, "-c",
+                                "import urllib.request; print(urllib.request.urlopen("
+                                f"'http://127.0.0.1:{MODEL_PORT}/health', timeout=2).status)"],
+                               capture_output=True, text=True, timeout=30, check=False)
+        return probe.stdout.strip() == "200"
+
+    model.wait("the engine answers /health inside its Pod", answers_inside, timeout=60)
+    assert pod.engine.running() and pod.restarts == 0, engine.pod_states()
+    assert not pod.ready and pod.answered_at is None, f"probed at its Pod IP, it never answered: {engine.pod_states()}"
+    published = endpoint_slice_addresses(cluster, ENGINE_NAMESPACE, "loopback-backend")
+    assert published.get(pod.address, {}).get("ready") is False, published
+    print(f"\nengine on its Pod's loopback: answers inside its Pod, never Ready at {pod.address}; the client got "
+          "504 activation_timeout")

@@ -31,7 +31,7 @@ from hooks.resources.gateway import READY_GRACE_SECONDS
 from scaler import externalscaler_pb2 as pb
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, Timeline
-from tests.e2e.engine_pods import EngineKubelet
+from tests.e2e.kubelet import Kubelet
 from tests.e2e.pods import ClusterNames, LocalPods, ModelServer, stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.kube.apiserver import REPO_ROOT
@@ -81,9 +81,10 @@ class Model:
     """One LLMService under test: its objects, its local gateway Pods and its model server."""
 
     def __init__(self, cluster: Cluster, timeline: Timeline, name: str, namespace: str,
-                 server: ModelServer | EngineKubelet | None = None) -> None:
-        """``server``: what plays the backend Pods (default: the stand-in ModelServer; the real engine
-        with tests/e2e/engine_pods.py)."""
+                 server: ModelServer | Kubelet | None = None) -> None:
+        """``server``: what plays the backend Pods (default: the stand-in ModelServer; a kubelet of
+        the harness: the real engine with tests/e2e/engine_pods.py, a stand-in server per Pod with
+        tests/e2e/standin_pods.py)."""
         self.cluster, self.timeline, self.name, self.namespace = cluster, timeline, name, namespace
         self.gateways: LocalPods | None = None
         self.aggregator: LocalPods | None = None
@@ -121,12 +122,15 @@ class Model:
             for kind, suffix in [("deployment", "-gateway"), ("deployment", "-backend"), ("scaledobject", "-backend")]))
 
     def start_pods(self, gateways: int = 1, aggregator: bool = False, service_ips: bool = False) -> None:
-        """``service_ips``: the gateways' Services get stable addresses (ClusterIPs, LocalPods)."""
+        """``service_ips``: the gateways' Services get stable addresses (ClusterIPs, LocalPods). A
+        ModelServer serves the backend at its Service's name only: its gateways get no credentials,
+        so they dial that name instead of the (kwok's, unserved) Pod IPs (tests/e2e/pods.py)."""
+        credentials = not isinstance(self.server, ModelServer)
         if aggregator:
             self.aggregator = LocalPods(self.cluster, self.namespace, f"{self.name}-aggregator",
-                                        service_ips=service_ips).start(1)
+                                        service_ips=service_ips, credentials=credentials).start(1)
         self.gateways = LocalPods(self.cluster, self.namespace, f"{self.name}-gateway",
-                                  service_ips=service_ips).start(gateways)
+                                  service_ips=service_ips, credentials=credentials).start(gateways)
         self.gateways.wait_http(GATEWAY_PORT)
         self.server.start()
 

@@ -48,7 +48,8 @@ class SharedWorld:
     def __init__(self, cluster: Cluster, timeline: Timeline) -> None:
         self.cluster, self.timeline = cluster, timeline
         self.servers: dict[str, ModelServer] = {}
-        self.gateway = LocalPods(cluster, NS, names.shared_gateway(GATEWAY))
+        # No credentials: the members' ModelServers serve at their Services' names only (pods.py).
+        self.gateway = LocalPods(cluster, NS, names.shared_gateway(GATEWAY), credentials=False)
 
     def replicas(self, model: str) -> int | None:
         backend = self.cluster.get("deployment", names.backend(model), NS)

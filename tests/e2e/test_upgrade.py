@@ -227,7 +227,9 @@ class World:
             self.get(kind, name) is not None for kind, name in (
                 ("deployment", names.gateway(model)), ("deployment", names.backend(model)),
                 ("scaledobject", names.scaled_object(model)))))
-        self.gateways[model] = LocalPods(self.cluster, NS, names.gateway(model), source=self.old).start()
+        # No credentials (kept across the rollout): the ModelServers serve at their Services' names only.
+        self.gateways[model] = LocalPods(self.cluster, NS, names.gateway(model), source=self.old,
+                                         credentials=False).start()
         self.gateways[model].wait_http(GATEWAY_PORT)
         self.servers[model].start()
         self.wait(f"{model}: KEDA reached its scaler", lambda: conditions(

@@ -1,8 +1,12 @@
 """A rendered Pod's container run on this machine the way the kubelet starts it (there is no container
 runtime here): its command and args with ``$(VAR)`` expanded as the kubelet expands them, its env
 resolved in order, its volumes mapped to local directories, its image's program replaced by a local
-build of the same program, and its own network namespace played by one private loopback address
-(the container's ``0.0.0.0`` and ``127.0.0.1`` are that address). Stopping it is what the kubelet
+build of the same program. Its network: with ``Sandbox.netns`` the Pod's own network namespace
+(tests/e2e/netns.py), where every process of the Pod (containers, preStop hooks) runs through
+``ip netns exec`` with its args unchanged, so an engine told ``--host 127.0.0.1`` is unreachable at
+its Pod IP as in a cluster; without one (tests/engines' own tests, which need no root) a private
+loopback address plays the namespace, and the container's ``0.0.0.0``, ``127.0.0.1`` and
+``localhost`` are rewritten to that address. Stopping it is what the kubelet
 does when the Pod goes away: the preStop exec hook, then SIGTERM, then SIGKILL at the end of the
 termination grace period, which counts from the start of the preStop hook.
 
@@ -74,7 +78,7 @@ def resolve_env(container: dict[str, Any], secrets: Mapping[tuple[str, str], str
 @dataclass
 class Sandbox:
     """What stands in for the Pod's sandbox: the local directory of each volume, the local program of
-    each image path, and the Pod's address."""
+    each image path, the Pod's address and, when it has one, its network namespace."""
 
     address: str
     volumes: dict[str, Path]  # volume name -> local directory
@@ -82,6 +86,11 @@ class Sandbox:
     secrets: dict[tuple[str, str], str] = field(default_factory=dict)  # (Secret, key) -> value
     fields: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None  # the image's WORKDIR
+    netns: list[str] | None = None  # the words that run a command in the Pod's network namespace
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` as started inside the Pod's network namespace (unchanged without one)."""
+        return [*self.netns, *argv] if self.netns else list(argv)
 
     def mounts(self, container: dict[str, Any]) -> dict[str, Path]:
         """Mount path -> local directory for the volumes the container mounts (subPath included)."""
@@ -93,13 +102,15 @@ class Sandbox:
         return out
 
     def localise(self, value: str, mounts: Mapping[str, Path]) -> str:
-        """A path under a mount → the local directory; the Pod's own addresses → its address; an
-        image's program → the local one."""
+        """A path under a mount → the local directory; an image's program → the local one; without a
+        network namespace, the Pod's own addresses → its address (in one, they mean what they say)."""
         if value in self.programs:
             return self.programs[value]
         for mount_path in sorted(mounts, key=len, reverse=True):
             if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                 return str(mounts[mount_path]) + value[len(mount_path):]
+        if self.netns:
+            return value
         return value.replace("0.0.0.0", self.address).replace("127.0.0.1", self.address).replace(
             "localhost", self.address)
 
@@ -112,7 +123,7 @@ class Command:
 
 def command_of(container: dict[str, Any], sandbox: Sandbox, argv: list[str] | None = None) -> Command:
     """The process the kubelet would start for ``container`` (or for ``argv``, e.g. its preStop exec
-    command, in the container's env), localised to the sandbox."""
+    command, in the container's env), localised to the sandbox and inside its network namespace."""
     if argv is None and not container.get("command"):
         raise ValueError(f"container {container.get('name')}: no command (the image's entrypoint is not known here)")
     env = resolve_env(container, sandbox.secrets, sandbox.fields)
@@ -120,7 +131,7 @@ def command_of(container: dict[str, Any], sandbox: Sandbox, argv: list[str] | No
     words = argv if argv is not None else [*container["command"], *(container.get("args") or [])]
     local_env = {k: sandbox.localise(v, mounts) for k, v in env.items()}
     local_env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
-    return Command([sandbox.localise(expand(w, env), mounts) for w in words], local_env)
+    return Command(sandbox.wrap([sandbox.localise(expand(w, env), mounts) for w in words]), local_env)
 
 
 def run_to_completion(container: dict[str, Any], sandbox: Sandbox, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -53,3 +53,19 @@ def test_a_command_is_localised_to_the_sandbox(tmp_path: Path) -> None:
     assert command.argv == ["/bin/true", "--model", f"{tmp_path}/m/x.gguf", "--host", "127.77.1.2", "--port", "8080",
                             "$(KEPT)"]
     assert command.env["MODEL"] == f"{tmp_path}/m/x.gguf"
+
+
+def test_in_a_network_namespace_the_args_run_unchanged_inside_it(tmp_path: Path) -> None:
+    # With a namespace of its own the Pod's 0.0.0.0 and 127.0.0.1 mean what they say (a runtime that
+    # binds 127.0.0.1 is unreachable, as in a cluster); every process of the Pod runs inside it.
+    container = {
+        "name": "engine", "command": ["/app/server"], "args": ["--host", "127.0.0.1", "--peer", "localhost:1"],
+        "env": [{"name": "BIND", "value": "0.0.0.0"}],
+    }
+    sandbox = Sandbox(address="10.245.0.7", volumes={}, programs={"/app/server": "/bin/true"},
+                      netns=["ip", "netns", "exec", "pod-ns"])
+    command = command_of(container, sandbox)
+    assert command.argv == ["ip", "netns", "exec", "pod-ns", "/bin/true", "--host", "127.0.0.1", "--peer", "localhost:1"]
+    assert command.env["BIND"] == "0.0.0.0"
+    pre_stop = command_of(container, sandbox, ["sh", "-c", "curl http://127.0.0.1:8080/metrics"])
+    assert pre_stop.argv == ["ip", "netns", "exec", "pod-ns", "sh", "-c", "curl http://127.0.0.1:8080/metrics"]
