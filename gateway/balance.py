@@ -7,10 +7,13 @@
   Pod owns ``VNODES`` points of a 32-bit ring placed by hashing its *name*, so every worker and every
   gateway replica maps a key to the same Pod, and a Pod joining or leaving moves only the keys it
   takes or had. The key's home is the first Pod clockwise from the key's hash; the request goes to
-  the first Pod on that walk whose load stays within ``ceil(factor * (total + 1) / pods)`` (Mirrokni
-  et al., "Consistent Hashing with Bounded Loads"; HAProxy's ``hash-balance-factor``), so a
-  conversation returns to the Pod holding its KV cache, and one hot prefix spills over instead of
-  overloading a Pod.
+  the first Pod on that walk whose load, with it, stays within ``max(least + 1, factor * (total + 1)
+  / pods)`` (:func:`bound`). The second term is the bound of consistent hashing with bounded loads
+  (Mirrokni et al.; HAProxy's ``hash-balance-factor``), without its rounding up; the first lets the
+  least loaded Pod always take one more. Without the rounding, few requests of one hot prefix spread
+  evenly (six over three Pods: 2 / 2 / 2, where ``ceil`` gave 3 / 3 / 0 and left a Pod idle); with
+  many, a conversation returns to the Pod holding its KV cache until its Pod carries a quarter more
+  than the mean.
 - **Cold batch.** A request released from the cold queue while other Pods of the model are still
   starting takes a Pod only below ``batch`` outstanding; with none below it, it waits for the next
   Pod to turn ready or a request to finish (``choose`` returns None). With no Pod starting, the rule
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -88,9 +90,10 @@ class AffinityRing:
         return self._walk_from(self._start(key), len(self.names)) if self._points else ()
 
 
-def bound(total_outstanding: int, pods: int, factor: float) -> int:
-    """Most requests one Pod may have with this one placed: ``ceil(factor * (total + 1) / pods)``."""
-    return max(1, math.ceil(factor * (total_outstanding + 1) / max(1, pods)))
+def bound(total_outstanding: int, pods: int, factor: float, least: int = 0) -> float:
+    """Most requests a Pod may have with a keyed one placed on it: ``max(least + 1, factor * (total +
+    1) / pods)`` (``least``: the fewest any eligible Pod has, which can always take one more)."""
+    return max(least + 1, factor * (total_outstanding + 1) / max(1, pods))
 
 
 class Choice:
@@ -114,10 +117,11 @@ def _by_affinity(pods: Sequence[Loaded], ring: AffinityRing, key: int, factor: f
                  by_name: Mapping[str, Loaded] | None) -> Choice:
     if by_name is None:
         by_name = {p.name: p for p in pods}
-    total = 0
+    total, least = 0, pods[0].outstanding
     for p in pods:
         total += p.outstanding
-    limit = max(1, math.ceil(factor * (total + 1) / len(pods)))  # bound(), inlined: once per request
+        least = min(least, p.outstanding)
+    limit = max(least + 1, factor * (total + 1) / len(pods))  # bound(), inlined: once per request
     home = True
     walk = ring.walk(key)
     for names in (walk, ring.walk_all(key)[len(walk):]):  # the rest only when the first are all full
@@ -128,7 +132,7 @@ def _by_affinity(pods: Sequence[Loaded], ring: AffinityRing, key: int, factor: f
             if pod.outstanding + 1 <= limit:
                 return Choice(pod, "hit" if home else "spill")
             home = False
-    return Choice(_least(pods, 0), "spill")  # every Pod at the bound: cannot happen, as the bound sums them
+    return Choice(_least(pods, 0), "spill")  # every Pod at the bound: cannot be, the least loaded fits
 
 
 def choose(pods: Sequence[Loaded], *, key: int | None = None, ring: AffinityRing | None = None,

@@ -74,9 +74,32 @@ def test_a_hot_key_spills_to_the_next_pod_on_its_walk() -> None:
         choice.pod.outstanding += 1
         outcomes.append((choice.pod.name, choice.affinity))
     by_pod = {x.name: x.outstanding for x in p}
-    assert max(by_pod.values()) <= bound(8, 3, 1.25)
+    assert sorted(by_pod.values()) == [3, 3, 3]  # one hot prefix spreads evenly
     assert outcomes[0] == (walk[0], "hit")
     assert any(kind == "spill" for _, kind in outcomes)
+
+
+def test_few_requests_of_one_key_leave_no_pod_idle() -> None:
+    """Six clients with one prompt over three Pods (the rounding up of the classic bound gave 3 / 3 / 0)."""
+    p = pods(0, 0, 0)
+    ring = AffinityRing([x.name for x in p])
+    for _ in range(6):
+        choose(p, key=key_hash(b"one prompt"), ring=ring).pod.outstanding += 1
+    assert [x.outstanding for x in p] == [2, 2, 2]
+
+
+def test_many_conversations_stay_home_until_their_pod_is_a_quarter_over_the_mean() -> None:
+    p = pods(10, 10, 10)
+    ring = AffinityRing([x.name for x in p])
+    key = key_hash(b"conversation")
+    home = ring.walk(key)[0]
+    by_name = {x.name: x for x in p}
+    by_name[home].outstanding = 12  # 12 + 1 <= 1.25 * 33 / 3 = 13.75: still home
+    assert choose(p, key=key, ring=ring).pod.name == home
+    by_name[home].outstanding = 13  # 14 > 1.25 * 34 / 3 = 14.17? no: 14 <= 14.17, home
+    assert choose(p, key=key, ring=ring).pod.name == home
+    by_name[home].outstanding = 14  # 15 > 1.25 * 35 / 3 = 14.58: spill
+    assert choose(p, key=key, ring=ring).affinity == "spill"
 
 
 @settings(max_examples=200, deadline=None)
@@ -84,7 +107,7 @@ def test_a_hot_key_spills_to_the_next_pod_on_its_walk() -> None:
        st.floats(min_value=1.0, max_value=3.0))
 def test_no_placement_ever_exceeds_the_bound(n: int, steps: list[tuple[int, bool]], factor: float) -> None:
     """Whatever the keys and whenever requests finish: a Pod receives a request only while its load
-    stays within ceil(factor * (total + 1) / n) (the property of consistent hashing with bounded loads)."""
+    stays within max(least + 1, factor * (total + 1) / n) (gateway.balance.bound)."""
     p = pods(*([0] * n))
     ring = AffinityRing([x.name for x in p])
     rng = random.Random(len(steps))
@@ -92,7 +115,7 @@ def test_no_placement_ever_exceeds_the_bound(n: int, steps: list[tuple[int, bool
         if finish and any(x.outstanding for x in p):
             rng.choice([x for x in p if x.outstanding]).outstanding -= 1
             continue
-        limit = bound(sum(x.outstanding for x in p), n, factor)
+        limit = bound(sum(x.outstanding for x in p), n, factor, least=min(x.outstanding for x in p))
         choice = choose(p, key=key_hash(b"%d" % key), ring=ring, factor=factor)
         assert choice.pod.outstanding + 1 <= limit
         choice.pod.outstanding += 1
