@@ -258,3 +258,34 @@ def test_a_server_ending_every_watch_at_once_is_no_busy_loop(kube: FakeKube) -> 
         assert seen.seen[-1] is not None  # every list succeeded: the Pods stay known
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_shipped_process_balances_in_every_worker(kube: FakeKube, workers: str) -> None:
+    """`python -m gateway` as rendered (NOCTAYA_ENDPOINT_SOURCE=endpointslices), one worker or a
+    supervisor and two: each worker watches and balances on its own; /metrics sums the Pods' counters
+    over the workers."""
+    from tests.gateway.test_process import GatewayProcess
+
+    port = free_port("127.0.46.1")
+    pods = [FakeBackend(port=port, host=f"127.0.46.{i}").start() for i in (1, 2)]
+    kube.put(slice_object("llm-backend-abc", "llm-backend",
+                          [("pod-1", "127.0.46.1", True), ("pod-2", "127.0.46.2", True)], port=port))
+    service = FakeBackend(port=free_port())  # the Service address: never started, so never used
+    gw = GatewayProcess(service, NOCTAYA_GATEWAY_WORKERS=workers, NOCTAYA_BACKEND_URL=f"http://llm-backend.ns.svc:{port}",
+                        NOCTAYA_ENDPOINT_SOURCE="endpointslices", NOCTAYA_SERVICE_ACCOUNT_DIR=str(kube.account),
+                        NOCTAYA_PREFIX_AFFINITY="false", NOCTAYA_SCALER_MODE="off", **kube.environ)
+    try:
+        wait_for(lambda: kube.watches >= int(workers), what="a watch per worker")
+        codes = [requests.post(f"{gw.url}/v1/chat/completions", json={"model": "test-model", "messages": []},
+                               headers={"Connection": "close"}, timeout=10).status_code for _ in range(20)]
+        assert codes == [200] * 20
+        served = [len(p.requests_to("/v1/chat/completions")) for p in pods]
+        assert sum(served) == 20 and min(served) >= 5, served
+        text = requests.get(f"{gw.admin_url}/metrics", timeout=5).text
+        for i, count in enumerate(served, start=1):
+            assert f'noctaya_gateway_backend_pod_requests_total{{pod="pod-{i}"}} {float(count)}' in text, text[-3000:]
+    finally:
+        gw.stop()
+        for p in pods:
+            p.stop()
