@@ -81,3 +81,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prefix, group in SHARED_SESSIONS.items():
             if rel.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.fixture(scope="session")
+def old_tree() -> Path:
+    """The previous release's source (tests/previous_release.py); skips with the reason without it."""
+    from tests.previous_release import ReleaseUnavailable, source_tree
+
+    try:
+        return source_tree()
+    except ReleaseUnavailable as exc:
+        pytest.skip(str(exc))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -308,6 +308,29 @@ class Kubelet:
         pod_network, played.network = played.network, None
         if pod_network is not None:
             self.network.remove_pod(pod_network)
+
+
+def models_retired_at_end(cluster: Cluster, namespace: str, what: str = "LLMServices") -> Iterator[dict[str, Any]]:
+    """The body of a module fixture of models whose Pods a kubelet of the harness plays in
+    ``namespace``: yields the module's models by name; at its end their LLMServices are deleted while
+    their kubelets still play the Pods (a Pod nobody confirms stays Terminating, and later modules wait
+    for every backend in the cluster to be gone), then everything stops. The namespace stays, empty:
+    other modules play Pods in it too, and one still terminating would refuse their objects."""
+    from tests.e2e.pods import stop_together
+
+    made: dict[str, Any] = {}
+    yield made
+    try:
+        cluster.kubectl("-n", namespace, "delete", "llmservices", "--all", "--wait=false", check=False)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (
+                cluster.api(f"/api/v1/namespaces/{namespace}/pods")["items"]
+                or cluster.api(f"/apis/serving.noctaya.io/v1alpha1/namespaces/{namespace}/llmservices")["items"]):
+            time.sleep(0.5)
+        left = [p["metadata"]["name"] for p in cluster.api(f"/api/v1/namespaces/{namespace}/pods")["items"]]
+        assert not left, f"Pods of {namespace} still there 90 s after their {what} were deleted: {left}"
+    finally:
+        stop_together(made.values())
 
 
 def endpoint_slice_addresses(cluster: Cluster, namespace: str, service: str) -> dict[str, dict[str, Any]]:

@@ -33,9 +33,8 @@ from demo.hub import FakeHub, HubRepo
 from hooks.resources.gateway import READY_GRACE_SECONDS
 from tests.e2e.cluster import Cluster, Timeline, private_loopback_address
 from tests.e2e.engine_pods import ENGINE_NAMESPACE, EngineKubelet
-from tests.e2e.kubelet import endpoint_slice_addresses
+from tests.e2e.kubelet import endpoint_slice_addresses, models_retired_at_end
 from tests.e2e.netns import Network
-from tests.e2e.pods import stop_together
 from tests.e2e.test_lifecycle import conditions
 from tests.e2e.test_scale_from_zero import COOLDOWN_SECONDS, MODEL_PORT, Model, keda  # noqa: F401 (fixture)
 from tests.engines import llamacpp, staged, tiny_gguf
@@ -80,20 +79,7 @@ def engines(cluster: Cluster, runtime: None, llama_server: str) -> Iterator[dict
     """The module's models; at its end their LLMServices are deleted while their kubelets still play
     the Pods (kwok plays nothing here: a Pod nobody confirms stays Terminating, and later modules wait
     for every backend in the cluster to be gone), then everything stops."""
-    made: dict[str, Model] = {}
-    yield made
-    try:
-        cluster.kubectl("-n", ENGINE_NAMESPACE, "delete", "llmservices", "--all", "--wait=false", check=False)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (
-                cluster.api(f"/api/v1/namespaces/{ENGINE_NAMESPACE}/pods")["items"]
-                or cluster.api(f"/apis/serving.noctaya.io/v1alpha1/namespaces/{ENGINE_NAMESPACE}/llmservices")["items"]):
-            time.sleep(0.5)
-        left = [p["metadata"]["name"] for p in cluster.api(f"/api/v1/namespaces/{ENGINE_NAMESPACE}/pods")["items"]]
-        assert not left, f"Pods of {ENGINE_NAMESPACE} still there 90 s after their LLMServices were deleted: {left}"
-    finally:
-        stop_together(made.values())
-        cluster.kubectl("delete", "namespace", ENGINE_NAMESPACE, "--wait=false", check=False)
+    yield from models_retired_at_end(cluster, ENGINE_NAMESPACE)
 
 
 def manifest(name: str, hub_url: str, repo: str = staged.REPO_ID, runtime: str = "llamacpp-cpu-staged",

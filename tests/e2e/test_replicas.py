@@ -27,8 +27,9 @@ import requests
 
 from hooks.resources.context import ADMIN_PORT
 from tests.e2e.cluster import Cluster, Timeline
+from tests.e2e.kubelet import models_retired_at_end
 from tests.e2e.netns import Network
-from tests.e2e.pods import LocalPods, stop_together
+from tests.e2e.pods import LocalPods
 from tests.e2e.standin_pods import STANDIN_NAMESPACE, StandInBackend, StandInKubelet
 from tests.e2e.test_scale_from_zero import (  # noqa: F401 (keda: a fixture)
     ANSWER,
@@ -51,17 +52,7 @@ TODAY_ENV = {"NOCTAYA_ENDPOINT_SOURCE": "service", "NOCTAYA_UPSTREAM_MAX_CONNECT
 def replica_models(cluster: Cluster, keda: None) -> Iterator[dict[str, Model]]:  # noqa: F811
     """The module's models; at its end their LLMServices are deleted while their kubelets still play
     the Pods (a Pod nobody confirms stays Terminating), then everything stops."""
-    made: dict[str, Model] = {}
-    yield made
-    try:
-        cluster.kubectl("-n", NAMESPACE, "delete", "llmservices", "--all", "--wait=false", check=False)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (
-                cluster.api(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]
-                or cluster.api(f"/apis/serving.noctaya.io/v1alpha1/namespaces/{NAMESPACE}/llmservices")["items"]):
-            time.sleep(0.5)
-    finally:
-        stop_together(made.values())
+    yield from models_retired_at_end(cluster, NAMESPACE)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ipaddress
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import openai
@@ -17,9 +16,8 @@ import pytest
 import requests
 
 from tests.e2e.cluster import Cluster, Timeline
-from tests.e2e.kubelet import endpoint_slice_addresses
+from tests.e2e.kubelet import endpoint_slice_addresses, models_retired_at_end
 from tests.e2e.netns import Network
-from tests.e2e.pods import stop_together
 from tests.e2e.standin_pods import STANDIN_NAMESPACE, StandInKubelet
 from tests.e2e.test_scale_from_zero import ANSWER, MODEL_PORT, Model, keda, llmservice  # noqa: F401 (fixture)
 
@@ -35,21 +33,7 @@ def standins(cluster: Cluster, keda: None) -> Iterator[dict[str, Model]]:  # noq
     """The module's models; at its end their LLMServices are deleted while their kubelets still play
     the Pods (a Pod nobody confirms stays Terminating, and later modules wait for every backend in
     the cluster to be gone), then everything stops."""
-    made: dict[str, Model] = {}
-    yield made
-    try:
-        cluster.kubectl("-n", NAMESPACE, "delete", "llmservices", "--all", "--wait=false", check=False)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and (
-                cluster.api(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]
-                or cluster.api(f"/apis/serving.noctaya.io/v1alpha1/namespaces/{NAMESPACE}/llmservices")["items"]):
-            time.sleep(0.5)
-        left = [p["metadata"]["name"] for p in cluster.api(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]]
-        assert not left, f"Pods of {NAMESPACE} still there 90 s after their LLMServices were deleted: {left}"
-    finally:
-        # The namespace stays (empty): other modules play Pods in it too (kwok excludes it by name),
-        # and one still terminating would refuse their objects.
-        stop_together(made.values())
+    yield from models_retired_at_end(cluster, NAMESPACE)
 
 
 @pytest.fixture

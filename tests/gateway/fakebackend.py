@@ -28,6 +28,16 @@ class _Server(ThreadingHTTPServer):
     backend: FakeBackend
 
 
+def send_json(handler: BaseHTTPRequestHandler, code: int, doc: Any) -> None:
+    """A JSON answer with its length (the stand-ins' one way to answer JSON)."""
+    body = json.dumps(doc).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     # TCP_NODELAY, as uvicorn and other real servers set it: the handler writes a response's head and
@@ -50,12 +60,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.backend.untrack(self.connection)
 
     def _send_json(self, code: int, doc: Any) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_json(self, code, doc)
 
     def do_GET(self) -> None:
         b = self.server.backend

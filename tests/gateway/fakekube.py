@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from tests.gateway.fakebackend import send_json
 from tests.pki import make_ca, make_leaf
 
 TOKEN = "fake-token"
@@ -134,12 +135,7 @@ class _Handler(BaseHTTPRequestHandler):
                          "metadata": {"resourceVersion": str(kube.version), "continue": more}})
 
     def _json(self, code: int, doc: Any) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send_json(self, code, doc)
 
     def _watch(self, kube: FakeKube) -> None:
         events = kube.new_watch()

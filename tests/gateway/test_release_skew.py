@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import requests
 import yaml
 
@@ -26,17 +25,8 @@ from gateway.modeltable import ModelTableFile
 from hooks.render import render_documents
 from tests.gateway.fakebackend import FakeBackend
 from tests.ports import free_port
-from tests.previous_release import ReleaseUnavailable, source_tree
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def old_tree() -> Path:
-    try:
-        return source_tree()
-    except ReleaseUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 def rendered_gateway_env(example: str, **balancing: object) -> dict[str, str]:

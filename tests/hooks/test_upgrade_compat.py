@@ -31,7 +31,7 @@ from hooks.api.runtime import InferenceRuntime
 from hooks.config import DEFAULT_IMAGE, HookConfig
 from hooks.controller import sync
 from tests.hooks import helpers as h
-from tests.previous_release import PREVIOUS, ReleaseUnavailable, source_tree
+from tests.previous_release import PREVIOUS
 
 REPO = Path(__file__).resolve().parents[2]
 LAST_APPLIED = "metacontroller.k8s.io/last-applied-configuration"
@@ -51,14 +51,6 @@ for folder in sorted(pathlib.Path("tests/fixtures/hooks").iterdir()):
     out[folder.name] = {"hook": hook, "request": request, "answer": HOOKS[hook](request, h.config(h.LATER_TIME))}
 json.dump(out, sys.stdout)
 """
-
-
-@pytest.fixture(scope="module")
-def old_tree() -> Path:
-    try:
-        return source_tree()
-    except ReleaseUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
