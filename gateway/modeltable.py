@@ -3,7 +3,7 @@
 ``python -m gateway`` serves from this table when NOCTAYA_MODEL_TABLE_FILE names it
 (gateway.workers.run_shared, gateway.shared). The table is a JSON file mounted from a ConfigMap, reread when it
 changes (the kubelet swaps a ConfigMap volume's files atomically), so adding or removing a model
-needs no restart and no Kubernetes credentials in the gateway::
+needs no restart, and no credentials beyond reading EndpointSlices (gateway.endpointslices)::
 
     {"models": [
       {"name": "qwen", "backendURL": "http://qwen-backend.models.svc:8000", "maxQueue": 100},
