@@ -181,6 +181,9 @@ def answer_body_failure(conn: ClientConnection, metrics: GatewayMetrics, exc: Ex
     if isinstance(exc, HeldBytesExhausted):
         return answer_error(conn, metrics, "queue_bytes_full", retry_429, close=True)
     name = "too_large" if isinstance(exc, RequestBodyTooLarge) else "bad_request"
+    cause = exc.__cause__
+    if isinstance(cause, BadRequest) and cause.status == 431:  # a body's framing or trailer past its bound
+        name = "headers_too_large"
     return answer_error(conn, metrics, name, close=True)
 
 

@@ -141,7 +141,7 @@ class ClientConnection:
 
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
                  "request_deadline", "timed_out", "clock", "pace", "body_cap", "progress", "waiting_since",
-                 "upstream", "backend_pod", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
+                 "upstream", "backend_pod", "wire", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
                  "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
@@ -166,6 +166,7 @@ class ClientConnection:
         self.waiting_since: float | None = None  # set while awaiting the backend's response head
         self.upstream: UpstreamConnection | None = None  # the backend connection in use
         self.backend_pod: Any = None  # the backend Pod the current request is counted on (gateway.backends)
+        self.wire = 0  # bytes read from the client on this connection (a body's framing counts too)
         self.watching = False  # hang-up detection armed (see arm_watch)
         self.polled = False  # the read watcher cannot tell (pipelined bytes, half-close): the watchdog polls
         self.gone = False
@@ -195,6 +196,7 @@ class ClientConnection:
                 raise RequestTimedOut(slow=self.body_cap != INF)
             if not data:
                 return None
+            self.wire += len(data)
             parser = self.parser
             parser.feed(data)  # BadRequest propagates
             if self.body_cap != INF:
@@ -279,8 +281,12 @@ class ClientConnection:
             return piece
         parts = []
         unyielded = 0
+        wire = self.wire
         for piece in self.body_pieces(limit):
-            uploads.take(len(piece))
+            # What the client sent for it, framing included (2-byte chunks are 7 bytes a chunk on the
+            # wire): the upload bounds count work and memory, not only the body's own bytes.
+            uploads.take(max(len(piece), self.wire - wire))
+            wire = self.wire
             parts.append(piece)
             unyielded += len(piece)
             if unyielded >= BODY_YIELD_BYTES:

@@ -38,6 +38,9 @@ __all__ = [
 MAX_TARGET_BYTES = 8 * 1024
 MAX_HEAD_BYTES = 32 * 1024  # header names + values (+ 4 bytes each for ": " and CRLF)
 MAX_HEADERS = 100
+# A request body's bytes in a row that are not body (chunk sizes, extensions, the trailer section):
+# beyond, 431 as for a head too large. A real client's chunk framing is a few bytes per chunk.
+MAX_BODY_FRAMING_BYTES = 8 * 1024
 # Guard on raw bytes of a head still incomplete after a read (llhttp buffers a partial header line
 # itself): the request line and header limits above, plus slack for the line ends.
 _MAX_RAW_HEAD = MAX_TARGET_BYTES + MAX_HEAD_BYTES + 1024
@@ -153,7 +156,7 @@ class ClientParser:
     from there)."""
 
     __slots__ = ("_parser", "events", "_head", "_head_bytes", "in_head", "_error", "_header_bytes", "in_message",
-                 "started", "_clock")
+                 "started", "_clock", "_pending", "_pieces", "quiet")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -166,10 +169,17 @@ class ClientParser:
         self.in_head = False
         self._error: BadRequest | None = None
         self._header_bytes = 0
+        self._pending: list[bytes] = []  # this read's body pieces, one event at its end (see on_body)
+        self._pieces = 0  # body pieces parsed so far (tells a read that brought body from one that did not)
+        # Bytes of the current body read since its last body piece: chunk framing, chunk extensions and
+        # the trailer section. They are work, not body, and llhttp counts none of them.
+        self.quiet = 0
 
     def feed(self, data: bytes) -> None:
         if self.in_head:
             self._head_bytes += len(data)
+        in_body = self.in_message and not self.in_head
+        pieces = self._pieces
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -179,8 +189,18 @@ class ClientParser:
             raise (self._error or BadRequest(400, "bad_request")) from None
         except httptools.HttpParserError:
             raise BadRequest(400, "bad_request") from None
+        finally:
+            self._flush()
         if self.in_head and self._head_bytes > _MAX_RAW_HEAD:
             raise BadRequest(431, "headers_too_large")
+        if in_body and self.in_message and not self.in_head:
+            # Still in the same body: a read that brought no body byte was framing or trailer. Past
+            # MAX_BODY_FRAMING_BYTES of it in a row (an endless trailer field, a chunk extension
+            # that never ends) the request is refused as a head would be; httptools keeps an
+            # unfinished trailer field in memory, so this also bounds what it copies.
+            self.quiet = self.quiet + len(data) if self._pieces == pieces else 0
+            if self.quiet > MAX_BODY_FRAMING_BYTES:
+                raise BadRequest(431, "headers_too_large")
 
     # -- llhttp callbacks ---------------------------------------------------------------------
     def _fail(self, status: int, code: str) -> None:
@@ -245,12 +265,23 @@ class ClientParser:
         if head.chunked:
             head.content_length = None
         self.in_head = False
+        self.quiet = 0
         self.events.append(("head", head))
 
     def on_body(self, body: bytes) -> None:
-        self.events.append(("body", body))
+        # Collected, then one event per read (_flush): a body sent as 2-byte chunks is one piece per
+        # read here, not thousands of tiny objects and events (~22 bytes of memory per byte counted).
+        self._pending.append(body)
+        self._pieces += 1
+
+    def _flush(self) -> None:
+        pending = self._pending
+        if pending:
+            self.events.append(("body", pending[0] if len(pending) == 1 else b"".join(pending)))
+            pending.clear()
 
     def on_message_complete(self) -> None:
+        self._flush()
         self.events.append(("end", None))
         self._head = None
         self.in_message = False
