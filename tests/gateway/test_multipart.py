@@ -72,3 +72,21 @@ def test_endless_part_headers_are_refused() -> None:
     body = b"--XyZ\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\nm\r\n--XyZ--\r\n"
     with pytest.raises(InvalidMultipart):
         multipart_model(CT, body, 256)
+
+
+def test_a_body_of_tiny_parts_is_refused_after_max_parts_in_bounded_work() -> None:
+    """8 MiB of 9-byte parts (issue 38, row 4: ~2 s of one loop per body): refused at MAX_PARTS + 1,
+    its work bounded by the count (CPU time of this thread, not the wall clock)."""
+    import time
+
+    from gateway.multipart import MAX_PARTS
+
+    boundary = b"b"
+    part = b"--b\r\n\r\nx\r\n"
+    body = part * (8 * 1024 * 1024 // len(part)) + b"--b--\r\n"
+    started = time.thread_time()
+    with pytest.raises(InvalidMultipart, match=f"more than {MAX_PARTS} parts"):
+        multipart_model(b"multipart/form-data; boundary=" + boundary, body, 256)
+    assert time.thread_time() - started < 0.05  # a few scans per part, 65 parts
+    ok = b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nm\r\n" + part * (MAX_PARTS - 1) + b"--b--\r\n"
+    assert multipart_model(b"multipart/form-data; boundary=b", ok, 256) == "m"
