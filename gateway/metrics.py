@@ -10,8 +10,9 @@ a path, a model name from the request, a client address, a key or text a backend
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.state.pod import (
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 # brings http.server, wsgiref, urllib.request, email and ssl, ~13 MiB of RSS in every process of the
 # Pod (docs/benchmarks.md, "Idle footprint of a gateway Pod"), which a gateway nobody scrapes never uses.
 
-__all__ = ["GatewayMetrics", "REJECTION_REASONS", "Counter", "Histogram"]  # and CONTENT_TYPE_LATEST (lazy)
+__all__ = ["GatewayMetrics", "REJECTION_REASONS", "Counter", "Histogram", "RenderedOnce"]  # and CONTENT_TYPE_LATEST (lazy)
 
 REJECTION_REASONS = (
     "unauthorized", "queue_full", "queue_bytes_full", "cold_reject", "draining", "too_large", "activation_timeout",
@@ -167,6 +168,45 @@ class GatewayMetrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+class RenderedOnce:
+    """``/metrics`` rendered at most once per ``ttl`` when a render is costly (over ``costly`` seconds
+    of this thread's CPU: a shared gateway of many models), and once for every scrape that arrives
+    while it renders. A cheap render (one model's gateway, ~1 ms) is always fresh."""
+
+    def __init__(self, render: Callable[[], bytes], *, ttl: float = 1.0, costly: float = 0.02,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._render = render
+        self.ttl = ttl
+        self.costly = costly
+        self._clock = clock
+        self._body: bytes | None = None
+        self._at = 0.0
+        self._pending: Any = None  # gevent AsyncResult while a render runs (it yields between slices)
+        self.renders = 0
+
+    def get(self) -> bytes:
+        if self._body is not None and self._clock() - self._at < self.ttl:
+            return self._body
+        if self._pending is not None:
+            return self._pending.get(timeout=30)
+        from gevent.event import AsyncResult
+
+        pending = self._pending = AsyncResult()
+        started = time.thread_time()
+        try:
+            body = self._render()
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            self._pending = None
+        self.renders += 1
+        costly = time.thread_time() - started >= self.costly
+        self._body, self._at = (body, self._clock()) if costly else (None, 0.0)
+        pending.set(body)
+        return body
 
 
 def __getattr__(name: str) -> Any:
