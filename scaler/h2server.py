@@ -14,12 +14,20 @@ Every resource has a bound:
 
 - connections: ``max_connections`` (beyond it the server stops accepting until one closes);
 - streams per connection: SETTINGS_MAX_CONCURRENT_STREAMS (h2 refuses more); open
-  StreamIsActive streams: the servicer's ``max_streams`` (RESOURCE_EXHAUSTED beyond it);
+  StreamIsActive streams: the servicer's ``max_streams``, shared between client addresses by
+  ``scaler.streamtable`` (a full table ends the oldest stream of the biggest holder with
+  UNAVAILABLE for a newcomer holding two fewer; else RESOURCE_EXHAUSTED);
+- frames that ask for nothing (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, empty DATA/HEADERS/
+  CONTINUATION, RST_STREAM of an unanswered stream) and streams reset before an answer: per
+  connection allowances (``scaler.h2limits``), beyond them GOAWAY ENHANCE_YOUR_CALM and close;
 - a request: one message of at most ``MAX_MESSAGE_BYTES`` (RESOURCE_EXHAUSTED), headers at most
-  ``MAX_HEADER_LIST_BYTES``;
-- time: the TLS handshake and the client's first bytes within ``HANDSHAKE_SECONDS``; a write that
-  cannot finish within ``WRITE_TIMEOUT_SECONDS`` (a client that stopped reading) closes the
-  connection; a connection with no call open for ``IDLE_SECONDS`` is closed with GOAWAY.
+  ``MAX_HEADER_LIST_BYTES``; request bytes buffered per connection at most ``MAX_BUFFERED_BYTES``;
+- CPU: the reading greenlet gives the loop back after at most ``gateway.slices.SLICE_SECONDS`` of
+  the thread's CPU time, however fast input arrives;
+- time: the TLS handshake, the client's preface and its first SETTINGS within ``HANDSHAKE_SECONDS``
+  in all; a write that cannot finish within ``WRITE_TIMEOUT_SECONDS`` (a client that stopped
+  reading) closes the connection; a connection with no call open for ``IDLE_SECONDS`` is closed
+  with GOAWAY.
 
 Compressed request messages are refused (UNIMPLEMENTED): KEDA sends none.
 """
@@ -53,9 +61,12 @@ from h2.events import (
 from h2.exceptions import H2Error, ProtocolError
 from h2.settings import SettingCodes, Settings
 
+from gateway.slices import Slice
 from scaler import externalscaler_pb2 as pb
 from scaler.demand import DemandBroadcaster
-from scaler.externalscaler import ExternalScalerServicer, ScalerSettings, Status
+from scaler.externalscaler import ExternalScalerServicer, ScalerSettings, Status, _RateLimitedLog
+from scaler.h2limits import CONTROL_CREDIT, Calm, FrameMeter
+from scaler.streamtable import StreamTable
 from scaler.tls import CertificateListener, ReloadingServerContext, TLSFiles
 
 __all__ = ["H2ScalerServer", "start_h2_scaler_server"]
@@ -73,13 +84,24 @@ METHODS: dict[str, tuple[Any, bool]] = {
 }
 MAX_MESSAGE_BYTES = 64 * 1024  # a ScaledObjectRef with its trigger metadata is well under 1 KiB
 MAX_HEADER_LIST_BYTES = 16 * 1024
-MAX_STREAMS_PER_CONNECTION = 512  # KEDA multiplexes every ScaledObject's stream on one connection
+# KEDA multiplexes every ScaledObject's stream (at most the servicer's max_streams, 256) and its
+# polls on one connection: twice that leaves room for the polls.
+MAX_STREAMS_PER_CONNECTION = 512
 MAX_CONNECTIONS = 64
-HANDSHAKE_SECONDS = 10.0
+# Request bytes of calls not yet complete, per connection: KEDA's requests are under 1 KiB and
+# arrive whole; this lets 16 clients' largest messages be in flight while 64 connections hold at
+# most 64 MiB between them.
+MAX_BUFFERED_BYTES = 1024 * 1024
+# TLS handshake + the client's preface and first SETTINGS, in all: KEDA sends them in its first
+# round trips inside the cluster; a peer that has not by then only holds a connection slot.
+HANDSHAKE_SECONDS = 5.0
 WRITE_TIMEOUT_SECONDS = 10.0
 IDLE_SECONDS = 300.0
 READ_CHUNK = 65536
 _PREFIX = 5  # compressed flag (1 byte) + message length (4 bytes, big-endian)
+STREAM_IS_ACTIVE = "StreamIsActive"
+
+_calm_log = _RateLimitedLog()
 
 
 class _Abort(Exception):
@@ -94,7 +116,8 @@ class _Gone(Exception):
 
 
 class _Call:
-    __slots__ = ("stream_id", "method", "body", "closed", "callbacks", "answered")
+    __slots__ = ("stream_id", "method", "body", "closed", "callbacks", "answered", "started", "ending",
+                 "greenlet")
 
     def __init__(self, stream_id: int, method: str) -> None:
         self.stream_id = stream_id
@@ -103,15 +126,28 @@ class _Call:
         self.closed = False
         self.callbacks: list[Callable[[], None]] = []
         self.answered = False  # a status was sent (an early refusal): the rest of the request is ignored
+        self.started = False  # response headers were sent: a reset by the client now is not "rapid"
+        self.ending: tuple[Status, str] | None = None  # the server ends this stream (evicted)
+        self.greenlet: gevent.Greenlet | None = None  # a server stream's writer
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for callback in self.callbacks:
-                try:
-                    callback()
-                except Exception:  # one broken callback must not keep the others from running
-                    log.exception("call close callback failed")
+            self.wake()
+
+    def wake(self) -> None:
+        """Run the servicer's callbacks (they wake its waits) without closing the call."""
+        for callback in self.callbacks:
+            try:
+                callback()
+            except Exception:  # one broken callback must not keep the others from running
+                log.exception("call close callback failed")
+
+    def end(self, code: Status, details: str) -> None:
+        """End the stream from the server's side: its handler returns and sends this status."""
+        if self.ending is None and not self.closed:
+            self.ending = (code, details)
+            self.wake()
 
 
 class _CallContext:
@@ -126,7 +162,7 @@ class _CallContext:
         raise _Abort(code, details)
 
     def is_active(self) -> bool:
-        return not self._call.closed
+        return not self._call.closed and self._call.ending is None
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         self._call.callbacks.append(callback)
@@ -143,15 +179,19 @@ class _Connection:
     stream writes from a greenlet of its own. Every use of the h2 state machine and every write
     holds ``_lock`` (a write yields to the loop while the socket is full)."""
 
-    def __init__(self, server: H2ScalerServer, sock: socket.socket) -> None:
+    def __init__(self, server: H2ScalerServer, sock: socket.socket, address: str, deadline: float) -> None:
         self._server = server
         self._sock = sock
+        self.address = address
+        self._deadline = deadline  # of the handshake: the client's preface and first SETTINGS
         self._h2 = H2Connection(config=H2Configuration(client_side=False, header_encoding="utf-8"))
         self._lock = gevent.lock.Semaphore()
         self._calls: dict[int, _Call] = {}
         self._window = gevent.event.Event()  # set whenever the client grants more flow-control window
         self._streams = gevent.pool.Group()
         self._closed = False
+        self._meter = FrameMeter(self._answered)
+        self._buffered = 0  # request bytes held for calls not yet complete
 
     # -- the reading side ----------------------------------------------------------------------
     def serve(self) -> None:
@@ -163,55 +203,82 @@ class _Connection:
                 })
                 self._h2.initiate_connection()
                 self._flush()
-            self._sock.settimeout(HANDSHAKE_SECONDS)  # the client's preface
+            # gevent's recv does not switch while input is queued: without the slice a client that
+            # keeps the socket full would keep the loop (probes, KEDA's calls) for itself.
+            turn = Slice()
             while not self._closed:
-                try:
-                    data = self._sock.recv(READ_CHUNK)
-                except TimeoutError:
-                    if self._calls:
-                        continue  # streams may be silent for hours; the connection is in use
-                    self.close(ErrorCodes.NO_ERROR)
+                data = self._read()
+                if data is None or not self._feed(data, turn):
                     return
-                if not data:
-                    return
-                self._sock.settimeout(IDLE_SECONDS)
-                with self._lock:
-                    try:
-                        events = self._h2.receive_data(data)
-                    except ProtocolError:  # h2 has queued a GOAWAY saying why
-                        self._flush()
-                        return
-                    for event in events:
-                        self._on_event(event)
-                    self._flush()
+        except Calm as calm:
+            _calm_log.warning("scaler client %s: %s; closing with ENHANCE_YOUR_CALM", self.address, calm)
+            self.close(ErrorCodes.ENHANCE_YOUR_CALM)
         except (OSError, _Gone, H2Error):
             pass  # the client went away or broke the protocol: nothing to answer
         finally:
             self._teardown()
+
+    def _read(self) -> bytes | None:
+        """The next bytes; b"" when an idle wait passed with calls open; None: the connection ends."""
+        settled = self._meter.settled
+        self._sock.settimeout(IDLE_SECONDS if settled else max(0.001, self._deadline - time.monotonic()))
+        try:
+            return self._sock.recv(READ_CHUNK) or None
+        except TimeoutError:
+            if settled and self._calls:
+                return b""  # streams may be silent for hours; the connection is in use
+            self.close(ErrorCodes.NO_ERROR)
+            return None
+
+    def _feed(self, data: bytes, turn: Slice) -> bool:
+        """Hand h2 the input a piece at a time, answering each; False once h2 ended the connection."""
+        for piece in self._meter.pieces(data):
+            with self._lock:
+                try:
+                    events = self._h2.receive_data(piece)
+                except ProtocolError:  # h2 has queued a GOAWAY saying why
+                    self._flush()
+                    return False
+                for event in events:
+                    self._on_event(event)
+                self._flush()
+            turn.check()  # outside the lock: the streams' writers may run meanwhile
+        return True
+
+    def _answered(self, stream_id: int) -> bool:
+        call = self._calls.get(stream_id)
+        return call is not None and call.started
 
     def _on_event(self, event: object) -> None:
         if isinstance(event, RequestReceived):
             self._on_request(event.stream_id, dict(event.headers or ()))
         elif isinstance(event, DataReceived):
             self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            call = self._calls.get(event.stream_id)
-            if call is not None and not call.answered:
-                if len(call.body) + len(event.data or b"") > MAX_MESSAGE_BYTES + _PREFIX:
-                    self._refuse(call, Status.RESOURCE_EXHAUSTED, f"request larger than {MAX_MESSAGE_BYTES} bytes")
-                else:
-                    call.body += event.data or b""
+            self._on_data(event.stream_id, event.data or b"")
         elif isinstance(event, StreamEnded):  # h2 reports END_STREAM as an event of its own
             call = self._calls.get(event.stream_id)
             if call is not None and not call.answered:
                 self._dispatch(call)
         elif isinstance(event, StreamReset):
-            call = self._calls.pop(event.stream_id, None)
+            call = self._calls.get(event.stream_id)
             if call is not None:
-                call.close()
+                self._forget(call)
         elif isinstance(event, WindowUpdated):
             self._window.set()
         elif isinstance(event, ConnectionTerminated):
             self._closed = True
+
+    def _on_data(self, stream_id: int, data: bytes) -> None:
+        call = self._calls.get(stream_id)
+        if call is None or call.answered or not data:
+            return
+        if len(call.body) + len(data) > MAX_MESSAGE_BYTES + _PREFIX:
+            self._refuse(call, Status.RESOURCE_EXHAUSTED, f"request larger than {MAX_MESSAGE_BYTES} bytes")
+        elif self._buffered + len(data) > MAX_BUFFERED_BYTES:
+            self._refuse(call, Status.RESOURCE_EXHAUSTED, "too many request bytes in flight on this connection")
+        else:
+            call.body += data
+            self._buffered += len(data)
 
     def _on_request(self, stream_id: int, headers: dict[str, str]) -> None:
         path = headers.get(":path", "")
@@ -221,7 +288,7 @@ class _Connection:
         if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
             # Not gRPC at all: a plain HTTP answer, as grpc servers give one.
             call.answered = True
-            self._h2.send_headers(stream_id, [(":status", "415")], end_stream=True)
+            self._send_headers(call, [(":status", "415")], end_stream=True)
             self._forget(call)
             return
         if method not in METHODS:
@@ -232,21 +299,12 @@ class _Connection:
         call.answered = True
         request_type, streaming = METHODS[call.method]
         body = call.body
+        self._drop_body(call)
         try:
-            if len(body) < _PREFIX:
-                raise _Abort(Status.INVALID_ARGUMENT, "missing request message")
-            if body[0] != 0:
-                raise _Abort(Status.UNIMPLEMENTED, "compressed messages are not supported")
-            if int.from_bytes(body[1:_PREFIX], "big") != len(body) - _PREFIX:
-                raise _Abort(Status.INVALID_ARGUMENT, "the request must be exactly one message")
-            try:
-                request = request_type.FromString(bytes(body[_PREFIX:]))
-            except DecodeError:
-                raise _Abort(Status.INVALID_ARGUMENT, "the request message does not decode") from None
-            call.body = bytearray()
+            request = _decode(request_type, body)
             handler = getattr(self._server.servicer, call.method)
             if streaming:
-                self._streams.spawn(self._run_stream, call, handler, request)
+                self._start_stream(call, handler, request)
                 return
             reply = handler(request, _CallContext(call))
         except _Abort as abort:
@@ -261,50 +319,94 @@ class _Connection:
             # The reading greenlet cannot wait for a WINDOW_UPDATE it would have to read itself.
             self._refuse(call, Status.RESOURCE_EXHAUSTED, "flow-control window exhausted")
             return
-        self._h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
-        self._h2.send_data(call.stream_id, payload)
-        self._h2.send_headers(call.stream_id, _trailers(Status.OK, ""), end_stream=True)
+        self._send_headers(call, _RESPONSE_HEADERS)
+        self._send_data(call, payload)
+        self._send_headers(call, _trailers(Status.OK, ""), end_stream=True)
         self._forget(call)
+
+    def _start_stream(self, call: _Call, handler: Callable[..., Iterator[Any]], request: Any) -> None:
+        victim = None
+        if call.method == STREAM_IS_ACTIVE:
+            admitted, victim = self._server.streams.admit(self.address, (self, call))
+            if not admitted:
+                raise _Abort(Status.RESOURCE_EXHAUSTED, "too many open StreamIsActive streams")
+            if victim is not None:
+                victim[1].end(Status.UNAVAILABLE, "stream slot given to another client; reconnect")
+                victim[0].wake_writers()
+        call.greenlet = self._streams.spawn(self._run_stream, call, handler, request,
+                                            victim[1].greenlet if victim else None)
 
     def _refuse(self, call: _Call, code: Status, details: str) -> None:
         """A trailers-only answer (no message was sent)."""
         call.answered = True
         try:
-            self._h2.send_headers(call.stream_id, _RESPONSE_HEADERS + _trailers(code, details), end_stream=True)
+            self._send_headers(call, _RESPONSE_HEADERS + _trailers(code, details), end_stream=True)
         except H2Error:
             pass  # the stream is already closed on the client's side
         self._forget(call)
 
+    def _drop_body(self, call: _Call) -> None:
+        self._buffered -= len(call.body)
+        call.body = bytearray()
+
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.stream_id, None)
+        self._drop_body(call)
         call.close()
 
+    # -- what the server sends (each frame earns the client allowance for its PINGs and WINDOW_UPDATEs)
+    def _send_headers(self, call: _Call, headers: list[tuple[str, str]], *, end_stream: bool = False) -> None:
+        self._h2.send_headers(call.stream_id, headers, end_stream=end_stream)
+        call.started = True
+        self._meter.control.credit(CONTROL_CREDIT)
+
+    def _send_data(self, call: _Call, payload: bytes) -> None:
+        self._h2.send_data(call.stream_id, payload)
+        self._meter.control.credit(CONTROL_CREDIT)
+
     # -- the writing side of server streams ------------------------------------------------------
-    def _run_stream(self, call: _Call, handler: Callable[..., Iterator[Any]], request: Any) -> None:
-        messages = handler(request, _CallContext(call))
+    def _run_stream(self, call: _Call, handler: Callable[..., Iterator[Any]], request: Any,
+                    evicted: gevent.Greenlet | None) -> None:
+        try:
+            if evicted is not None:
+                # The evicted stream's handler must have given its servicer slot back first.
+                evicted.join(WRITE_TIMEOUT_SECONDS)
+            status, details, started = self._write_stream(call, handler(request, _CallContext(call)))
+            if status is not None:
+                self._finish_stream(call, status, details, started)
+        finally:
+            self._server.streams.remove(self.address, (self, call))
+
+    def _write_stream(self, call: _Call, messages: Iterator[Any]) -> tuple[Status | None, str, bool]:
+        """Send the handler's messages; (the final status or None when there is no one to tell, its
+        details, whether a message was sent)."""
         status, details = Status.OK, ""
         started = False
         try:
             for message in messages:
-                if call.closed:
-                    return
+                if call.closed or call.ending:
+                    break
                 self._send_message(call, _frame(message.SerializeToString()), headers=not started)
                 started = True
         except _Abort as abort:
             status, details = abort.code, abort.details
         except _Gone:
-            return
+            if call.ending is None:
+                return None, "", started
         except Exception:
             log.exception("ExternalScaler %s failed", call.method)
             status, details = Status.INTERNAL, "internal error"
         finally:
             messages.close()  # runs the handler's own cleanup (its open-stream count) at once
-        if call.closed:
-            return
+        if call.ending is not None:
+            status, details = call.ending
+        return (None if call.closed else status), details, started
+
+    def _finish_stream(self, call: _Call, status: Status, details: str, started: bool) -> None:
         with self._lock:
             try:
                 headers = _trailers(status, details) if started else _RESPONSE_HEADERS + _trailers(status, details)
-                self._h2.send_headers(call.stream_id, headers, end_stream=True)
+                self._send_headers(call, headers, end_stream=True)
                 self._flush()
             except (H2Error, OSError, _Gone):
                 pass
@@ -315,13 +417,13 @@ class _Connection:
         deadline = time.monotonic() + WRITE_TIMEOUT_SECONDS
         while True:
             with self._lock:
-                if call.closed or self._closed:
+                if call.closed or self._closed or call.ending:
                     raise _Gone
                 try:
                     if self._h2.local_flow_control_window(call.stream_id) >= len(payload):
                         if headers:
-                            self._h2.send_headers(call.stream_id, _RESPONSE_HEADERS)
-                        self._h2.send_data(call.stream_id, payload)
+                            self._send_headers(call, _RESPONSE_HEADERS)
+                        self._send_data(call, payload)
                         self._flush()
                         return
                 except H2Error:
@@ -335,6 +437,10 @@ class _Connection:
                         self._flush()
                         self._forget(call)
                 raise _Gone
+
+    def wake_writers(self) -> None:
+        """Wake the stream writers waiting for window (an evicted one then gives up its slot)."""
+        self._window.set()
 
     # -- I/O -------------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -390,6 +496,20 @@ def _trailers(code: Status, details: str) -> list[tuple[str, str]]:
     return trailers
 
 
+def _decode(request_type: Any, body: bytearray) -> Any:
+    """The one message of a request's body."""
+    if len(body) < _PREFIX:
+        raise _Abort(Status.INVALID_ARGUMENT, "missing request message")
+    if body[0] != 0:
+        raise _Abort(Status.UNIMPLEMENTED, "compressed messages are not supported")
+    if int.from_bytes(body[1:_PREFIX], "big") != len(body) - _PREFIX:
+        raise _Abort(Status.INVALID_ARGUMENT, "the request must be exactly one message")
+    try:
+        return request_type.FromString(bytes(body[_PREFIX:]))
+    except DecodeError:
+        raise _Abort(Status.INVALID_ARGUMENT, "the request message does not decode") from None
+
+
 def _frame(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
@@ -398,10 +518,13 @@ class H2ScalerServer:
     """A running ExternalScaler on the calling thread's gevent hub."""
 
     def __init__(self, servicer: ExternalScalerServicer, host: str, port: int, *,
-                 tls: ReloadingServerContext | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
+                 tls: ReloadingServerContext | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_streams: int = ScalerSettings().max_streams) -> None:
         self.servicer = servicer
         self._tls = tls
         self._connections: set[_Connection] = set()
+        # StreamIsActive slots by client address, as many as the servicer admits (its max_streams).
+        self.streams: StreamTable[tuple[_Connection, _Call]] = StreamTable(max_streams)
         self._server = StreamServer((host, port), self._handle, spawn=gevent.pool.Pool(max_connections))
         self._server.init_socket()  # bind now: a port in use is an error at startup, not later
         self.port: int = self._server.address[1]
@@ -411,16 +534,21 @@ class H2ScalerServer:
         self._server.start()
         return self
 
-    def _handle(self, sock: socket.socket, _address: object) -> None:
+    def _handle(self, sock: socket.socket, address: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # One deadline for the TLS handshake, the preface and the first SETTINGS: a per-read
+        # timeout would let a peer that sends a byte now and then hold its slot for ever.
+        deadline = time.monotonic() + HANDSHAKE_SECONDS
         if self._tls is not None:
             sock.settimeout(HANDSHAKE_SECONDS)
             try:
-                sock = self._tls.current().wrap_socket(sock, server_side=True)
+                with gevent.Timeout(HANDSHAKE_SECONDS, TimeoutError):
+                    sock = self._tls.current().wrap_socket(sock, server_side=True)
             except (OSError, ValueError):  # ssl.SSLError is an OSError: no or a bad client certificate
                 sock.close()
                 return
-        connection = _Connection(self, sock)
+        peer = address[0] if isinstance(address, tuple) and address else str(address)
+        connection = _Connection(self, sock, peer, deadline)
         self._connections.add(connection)
         connection.serve()
 
@@ -469,7 +597,8 @@ def start_h2_scaler_server(
     servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep, models=models,
                                       members=members)
     try:
-        server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections)
+        server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections,
+                                max_streams=settings.max_streams)
     except OSError as exc:
         raise OSError(f"cannot bind the gRPC scaler to {host}:{port}: {exc.strerror or exc}") from None
     server.start()
