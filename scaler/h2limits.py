@@ -29,11 +29,14 @@ END_STREAM, END_HEADERS = 0x1, 0x4
 # The allowance of frames without a request (PING, SETTINGS, PRIORITY, WINDOW_UPDATE, RST_STREAM of
 # a stream not yet answered, empty DATA/HEADERS/CONTINUATION, unknown types). KEDA (grpc-go) keeps
 # one connection and sends a handful when it connects (SETTINGS, its ACK, a WINDOW_UPDATE); after
-# that only in answer to what the server sends: a BDP-estimation PING and a WINDOW_UPDATE now and
-# then per DATA it receives. Hence a bucket of CONTROL_BURST that refills at CONTROL_RATE a second
-# and by CONTROL_CREDIT per frame the server sends (Envoy's "frames per DATA frame sent"): a client
-# that polls many ScaledObjects earns the allowance its polls provoke, and a client that asks for
-# nothing has 100 frames and then 5 a second, far below a flood's thousands.
+# that only along with its requests and what the server sends: a BDP-estimation PING and a
+# WINDOW_UPDATE now and then per DATA it receives; grpc-core (Python's grpc) also sends a stream
+# WINDOW_UPDATE or two with each request. Hence a bucket of CONTROL_BURST that refills at
+# CONTROL_RATE a second and by CONTROL_CREDIT per stream the client opens and per frame the server
+# sends, kept beyond the burst (Envoy's "frames per stream opened / per DATA frame sent"): a client
+# that polls many ScaledObjects earns the allowance its calls bring, so the frames that ask for
+# nothing stay a fixed multiple of the work asked for, and a client that asks for nothing has 100
+# frames and then 5 a second, far below a flood's thousands.
 CONTROL_BURST = 100
 CONTROL_RATE = 5.0
 CONTROL_CREDIT = 2
@@ -58,7 +61,9 @@ class Calm(Exception):
 
 
 class TokenBucket:
-    """``capacity`` tokens, refilled at ``rate`` a second (monotonic clock) and by ``credit``."""
+    """Tokens refilled at ``rate`` a second (monotonic clock) up to ``capacity``, and by ``credit``
+    beyond it: what a client earns by asking for work comes in bursts (a flip of the demand pushes on
+    every stream at once, and each push may draw a WINDOW_UPDATE), so capping it would lose it."""
 
     __slots__ = ("capacity", "rate", "tokens", "_at", "_clock")
 
@@ -72,7 +77,8 @@ class TokenBucket:
     def take(self) -> bool:
         """Spend one token; False when none is left."""
         now = self._clock()
-        self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
+        if self.tokens < self.capacity:
+            self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
         self._at = now
         if self.tokens < 1.0:
             return False
@@ -80,7 +86,7 @@ class TokenBucket:
         return True
 
     def credit(self, tokens: float) -> None:
-        self.tokens = min(self.capacity, self.tokens + tokens)
+        self.tokens += tokens
 
 
 class FrameMeter:
@@ -100,6 +106,7 @@ class FrameMeter:
         self._header = bytearray()  # a frame header split across reads
         self._payload = 0  # payload bytes of the current frame still to come
         self._block = -1  # bytes of an unfinished header block, -1: none open
+        self._last_stream = 0  # the highest stream the client opened
 
     def pieces(self, data: bytes) -> Iterator[bytes]:
         """``data`` in order, cut after every ``PIECE_FRAMES`` frames; raises Calm before the piece
@@ -143,6 +150,9 @@ class FrameMeter:
         elif kind == RST_STREAM and not self._answered(stream_id):
             self._spend(self.control, "control frames")
             self._spend(self.resets, "streams reset before an answer")
+        elif kind == HEADERS and stream_id > self._last_stream:  # a new request (not its trailers)
+            self._last_stream = stream_id
+            self.control.credit(CONTROL_CREDIT)
         self._count_block(kind, flags, length)
         return length
 
