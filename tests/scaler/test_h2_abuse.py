@@ -349,3 +349,22 @@ def test_stream_table_shares_slots_max_min_fair() -> None:
     assert table.admit("hog", 5) == (False, None)
     table.remove("hog", 2)
     assert table.admit("keda", 102) == (True, None) and len(table) == 4
+
+
+def test_the_frame_meter_cuts_at_frame_boundaries_whatever_the_reads() -> None:
+    """Pieces of at most PIECE_FRAMES whole frames, in order, however the input is split into reads
+    (a frame header split across two reads included), and every frame counted once."""
+    frames = [frame(PING, 0, 0, b"12345678") if i % 2 else frame(DATA, 0, 1, b"x" * (1 + i % 40))
+              for i in range(120)]
+    wire = HANDSHAKE + b"".join(frames)
+    for size in (1, 2, 5, 9, 17, 100, len(wire)):
+        meter = h2limits.FrameMeter(lambda _stream: False)
+        meter.control.credit(1000)
+        pieces = [piece for start in range(0, len(wire), size) for piece in meter.pieces(wire[start:start + size])]
+        assert b"".join(pieces) == wire, size
+        assert meter.frames == 2 + len(frames) and meter.settled  # the client's SETTINGS and its ACK, then the rest
+    # Read whole, the input is cut after every PIECE_FRAMES frames, exactly at their end.
+    ends = {len(HANDSHAKE) + sum(map(len, frames[:n])) for n in range(0, len(frames) + 1)}
+    assert all(len(piece) for piece in pieces)
+    cuts = [sum(map(len, pieces[:i + 1])) for i in range(len(pieces))]
+    assert all(cut in ends for cut in cuts) and len(pieces) == -(-(2 + len(frames)) // h2limits.PIECE_FRAMES)
