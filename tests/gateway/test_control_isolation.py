@@ -11,7 +11,6 @@ Real sockets on 127.0.0.x, a real grpc channel; no assertion on how long anythin
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
 import time
@@ -212,7 +211,14 @@ def test_an_idle_control_thread_does_not_wake(gateway_with_scaler, channel_facto
     wait_for(lambda: control.call(lambda: not admin.watch.connections and admin.watch._arrived.linkcount() == 1),
              what="the admin watchdog parked")
     loop = control.hub.loop
-    before = loop.iteration
-    with contextlib.suppress(TimeoutError):
-        threading.Event().wait(1.0)  # a second of an idle Pod (KEDA's channel open, no call)
-    assert loop.iteration == before  # not one loop iteration: no timer, no wake-up
+    # Seconds of an idle Pod (KEDA's channel open, no call). The tail of the last call and of the
+    # probe's connection may still take a turn of the loop in the first one; a timer would wake it in
+    # every one of them.
+    quiet = []
+    for _ in range(5):
+        before = loop.iteration
+        threading.Event().wait(1.0)
+        quiet.append(loop.iteration == before)
+        if quiet[-1]:
+            break
+    assert quiet[-1], "the idle control loop woke in every second"
