@@ -12,7 +12,9 @@ HEADERS frame ("trailers-only") when a call fails before any message.
 
 Every resource has a bound:
 
-- connections: ``max_connections`` (beyond it the server stops accepting until one closes);
+- connections: ``max_connections`` (beyond it the server stops accepting until one closes), and
+  ``max_per_address`` from one client address (closed at once beyond it: idle sockets from one
+  address cannot take the pool from KEDA);
 - streams per connection: SETTINGS_MAX_CONCURRENT_STREAMS (h2 refuses more); open
   StreamIsActive streams: the servicer's ``max_streams`` (RESOURCE_EXHAUSTED beyond it);
 - a request: one message of at most ``MAX_MESSAGE_BYTES`` (RESOURCE_EXHAUSTED), headers at most
@@ -75,6 +77,7 @@ MAX_MESSAGE_BYTES = 64 * 1024  # a ScaledObjectRef with its trigger metadata is 
 MAX_HEADER_LIST_BYTES = 16 * 1024
 MAX_STREAMS_PER_CONNECTION = 512  # KEDA multiplexes every ScaledObject's stream on one connection
 MAX_CONNECTIONS = 64
+MAX_PER_ADDRESS = 8
 HANDSHAKE_SECONDS = 10.0
 WRITE_TIMEOUT_SECONDS = 10.0
 IDLE_SECONDS = 300.0
@@ -398,9 +401,12 @@ class H2ScalerServer:
     """A running ExternalScaler on the calling thread's gevent hub."""
 
     def __init__(self, servicer: ExternalScalerServicer, host: str, port: int, *,
-                 tls: ReloadingServerContext | None = None, max_connections: int = MAX_CONNECTIONS) -> None:
+                 tls: ReloadingServerContext | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_address: int = MAX_PER_ADDRESS) -> None:
         self.servicer = servicer
         self._tls = tls
+        self._max_per_address = max_per_address  # 0 = no cap
+        self._per_address: dict[str, int] = {}  # open connections by client address (this hub only)
         self._connections: set[_Connection] = set()
         self._server = StreamServer((host, port), self._handle, spawn=gevent.pool.Pool(max_connections))
         self._server.init_socket()  # bind now: a port in use is an error at startup, not later
@@ -411,7 +417,21 @@ class H2ScalerServer:
         self._server.start()
         return self
 
-    def _handle(self, sock: socket.socket, _address: object) -> None:
+    def _handle(self, sock: socket.socket, address: object) -> None:
+        peer = address[0] if isinstance(address, tuple) else ""
+        count = self._per_address.get(peer, 0)
+        if self._max_per_address and count >= self._max_per_address:
+            sock.close()
+            return
+        self._per_address[peer] = count + 1
+        try:
+            self._serve(sock)
+        finally:
+            left = self._per_address.pop(peer, 1) - 1
+            if left > 0:
+                self._per_address[peer] = left
+
+    def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._tls is not None:
             sock.settimeout(HANDSHAKE_SECONDS)
@@ -453,6 +473,7 @@ def start_h2_scaler_server(
     tls: TLSFiles | None = None,
     on_activated: Callable[[float], None] | None = None,
     max_connections: int = MAX_CONNECTIONS,
+    max_per_address: int = MAX_PER_ADDRESS,
     models: Callable[[str], DemandBroadcaster | None] | None = None,
     members: Callable[[str, str], DemandBroadcaster | None] | None = None,
     on_certificate: CertificateListener | None = None,
@@ -469,7 +490,8 @@ def start_h2_scaler_server(
     servicer = ExternalScalerServicer(broadcaster, settings, on_activated, sleep=gevent.sleep, models=models,
                                       members=members)
     try:
-        server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections)
+        server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections,
+                                max_per_address=max_per_address)
     except OSError as exc:
         raise OSError(f"cannot bind the gRPC scaler to {host}:{port}: {exc.strerror or exc}") from None
     server.start()
