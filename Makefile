@@ -63,8 +63,8 @@ release: $(STAMP)
 	@test -n "$(VERSION)" || { echo "make release: give the new version, e.g. make release VERSION=0.3.0" >&2; exit 2; }
 	$(PY) tools/release.py $(VERSION)
 
-# Every benchmark, then the warm path's, the replicas', the idle footprint's and the idle members' targets
-# side by side (about 17 min; make bench BENCH_ARGS=--quick: about 6 min, shorter rounds and windows).
+# Every benchmark, then the warm path's, the replicas', the idle footprint's, the idle members' and the
+# attacks' targets side by side (about 18.5 min; make bench BENCH_ARGS=--quick: about 7 min, shorter rounds and windows).
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
 

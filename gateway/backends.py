@@ -329,7 +329,9 @@ class Backends:
             {"name": p.name, "address": p.endpoint.address, "ready": p.endpoint.ready,
              "terminating": p.endpoint.terminating, "answered": p.answered,
              "state": "eligible" if p.name in eligible else "starting" if p.name in starting else "excluded",
-             "outstanding": p.outstanding, "served": p.served} for p in pods.by_name.values()]}
+             "outstanding": p.outstanding, "served": p.served}
+            # A snapshot: the admin port's thread reads this while the worker's loop updates the Pods.
+            for p in list(pods.by_name.values())]}
 
     def clear(self) -> None:
         self.service.clear()

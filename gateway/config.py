@@ -78,6 +78,13 @@ class GatewayConfig:
     max_connections: int = 4096
     # None = half of max_connections (one address never takes the whole pool); 0 = no cap.
     max_connections_per_address: int | None = None
+    # The control ports (admin, and the in-process scaler's): kubelet probes come from the node's
+    # address and Prometheus from its own, so a few connections per address is all they use, and one
+    # address holding more can never take the admin port's pool (64) or the scaler's from them.
+    control_connections_per_address: int = 8
+    # An admin connection waits this long for a request head to start (and the head this long to
+    # complete), from its accept and between requests: idle sockets cannot keep the pool.
+    admin_idle_timeout_seconds: float = 5.0
     max_held_body_bytes: int = 256 * 1024 * 1024
     # Bodies still arriving (gateway.state.uploads), per worker, apart from the held budget. None:
     # the held budget (all uploads) and twice the largest body (one address).
@@ -300,6 +307,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "client_body_timeout_seconds": _pos_float,
     "max_connections": _pos_int,
     "max_connections_per_address": _nonneg_int,
+    "control_connections_per_address": _nonneg_int,
+    "admin_idle_timeout_seconds": _pos_float,
     "max_held_body_bytes": _pos_int,
     "max_upload_bytes": _pos_int,
     "max_upload_bytes_per_address": _nonneg_int,
@@ -339,6 +348,10 @@ _HELP = {
     "held_body_share_per_model": "shared gateway: share (0-1] of the held-body budget one model may hold",
     "max_connections_per_address": "open public connections one client address may hold per worker (429 beyond); "
                                    "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
+    "control_connections_per_address": "open connections one client address may hold on the admin port and on the "
+                                       "in-process scaler port, per worker (closed beyond); 0 = no cap",
+    "admin_idle_timeout_seconds": "time an admin-port connection may wait before a request head starts, and a head "
+                                  "to complete (closed beyond)",
     "gateway_workers": "worker processes sharing the port (SO_REUSEPORT); default: the container's CPU limit, >= 1",
     "endpoint_source": "service (the backend URL's address) or endpointslices (watch the backend Service's Pods "
                        "and balance over them; needs a service account that may list and watch EndpointSlices)",

@@ -8,10 +8,14 @@
    OpenAI SDKs retry (the request never reached a backend; the retry's connection goes elsewhere);
    requests already admitted (in flight or waiting) may finish within the drain grace;
 3. the worker's demand is withdrawn (its row reads zero) and the ``after_withdraw`` steps run;
-4. the HTTP server stops (closing whatever is left after the grace).
+4. the HTTP server stops (closing whatever is left after the grace): the public port on this
+   loop, the admin port on the control thread (``gateway.control``) at the same time; probes are
+   answered until then.
 
 Once every worker has drained, the supervisor withdraws the Pod's demand (report mode POSTs
-``withdraw: true``) and stops the scaler child process, ending its StreamIsActive streams with OK.
+``withdraw: true``) and stops the scaler child process, ending its StreamIsActive streams with OK;
+a one-worker Pod does the same with its in-process scaler, on the control thread, then ends that
+thread.
 """
 
 from __future__ import annotations

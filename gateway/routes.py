@@ -112,7 +112,7 @@ _idle_turns: weakref.WeakKeyDictionary[Any, _IdleTurns] = weakref.WeakKeyDiction
 
 def yield_to_loop() -> None:
     """Between steps of a body's JSON scan: the hub serves everything else first (sockets, timers,
-    other greenlets: the admin port's probes, KEDA's scaler calls, other clients) and resumes the
+    other greenlets: other clients; probes and KEDA's calls have the control thread's hub) and resumes the
     scan when it is idle, one scan per idle moment (:class:`_IdleTurns`). ``gevent.sleep(0)`` was
     not enough: it queues the scan as a callback that runs on every turn of the loop, so a probe that
     needs several turns waited behind a step of every scan in flight at each of them (0.6-1.1 s with

@@ -8,6 +8,9 @@ there are none, from the moment the last one leaves), shuts down any socket whos
 the backend after ``LAZY_WATCH_SECONDS``. A fast request therefore creates no timer and no extra
 greenlet, and a connection that comes and goes within a tick (a probe) not even the watchdog's; a
 held cold request is watched at once (``arm_watch``).
+
+The admin port's connections are served the same way, from the control thread's own hub
+(``gateway.control``), with a watchdog of their own there (:class:`ConnectionWatch`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
 if TYPE_CHECKING:
     from gateway.config import GatewayConfig
+    from gateway.control import AdminServer, ControlThread
 
 
 class ServedApp(Protocol):
@@ -59,7 +63,7 @@ class ServedApp(Protocol):
     def abort_waiters(self) -> None: ...
     def withdraw(self) -> None: ...
 
-__all__ = ["ClientConnection", "ClientGone", "ClientBodyError", "RequestBodyTooLarge", "RequestTimedOut",
+__all__ = ["AddressCounts", "ClientConnection", "ClientGone", "ConnectionWatch", "ClientBodyError", "RequestBodyTooLarge", "RequestTimedOut",
            "HeldBytesExhausted", "GatewayServer", "ServedApp", "UploadPace", "serve_connection", "listen_socket"]
 
 log = logging.getLogger("noctaya.gateway")
@@ -513,77 +517,71 @@ def listen_socket(host: str, port: int, *, reuse_port: bool, backlog: int = 2048
     return sock
 
 
-class GatewayServer:
-    """The app on a gevent StreamServer, plus the prober and watchdog greenlets. Build and run in
-    one hub thread."""
+class AddressCounts:
+    """Open connections per client address, capped (0 = no cap), on one hub."""
 
-    def __init__(self, app: ServedApp, listener: std_socket.socket, *, max_connections: int,
-                 clock: Callable[[], float] = time.monotonic, admin_listener: std_socket.socket | None = None) -> None:
-        self.app = app
+    __slots__ = ("cap", "counts")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.counts: dict[str, int] = {}  # bounded by the listener's pool
+
+    def admit(self, peer: str) -> bool:
+        count = self.counts.get(peer, 0)
+        if self.cap and count >= self.cap:
+            return False
+        self.counts[peer] = count + 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        left = self.counts.get(peer, 0) - 1
+        if left > 0:
+            self.counts[peer] = left
+        else:
+            self.counts.pop(peer, None)
+
+
+def peer_of(address: Any) -> str:
+    return address[0] if isinstance(address, tuple) else ""
+
+
+def refuse(app: ServedApp, sock: gevent.socket.socket) -> None:
+    """429 and close, without reading: a fresh socket's send buffer takes the answer at once."""
+    app.connection_refused()
+    error = ERRORS["too_many_connections"]
+    body = error_body(error)
+    try:
+        sock._sock.send(response_head(error.status, [
+            (b"Content-Type", JSON), (b"Content-Length", b"%d" % len(body)), (b"Connection", b"close"),
+        ]) + body)
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
+class ConnectionWatch:
+    """The open connections of one hub and their watchdog (see the module doc). The public port's
+    live on the worker's loop, the admin port's on the control thread's (``gateway.control``): each
+    hub has its own, so neither iterates a set the other thread changes. Build and run in the hub's
+    thread."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self.idle_timeout = app.config.client_idle_timeout_seconds
-        self.request_timeout = app.config.client_request_timeout_seconds
-        config = app.config
-        self.pace = UploadPace(config.client_min_rate_bytes, config.client_min_rate_window_seconds,
-                               config.client_body_grace_seconds, config.client_body_timeout_seconds)
-        self.per_address_cap = app.config.connections_per_address
-        self.per_address: dict[str, int] = {}  # open public connections by client address (bounded by the pool)
         self.connections: set[ClientConnection] = set()
-        self.server = StreamServer(listener, self._handle, spawn=gevent.pool.Pool(max_connections))
-        # Scrapes get slots of their own: a full public port must not blind monitoring, nor the reverse.
-        self.admin_server = None if admin_listener is None else StreamServer(
-            admin_listener, self._handle_admin, spawn=gevent.pool.Pool(ADMIN_MAX_CONNECTIONS))
-        self._greenlets: list[gevent.Greenlet] = []
         # Set when a connection arrives: the watchdog parks while there is none (no idle wake-ups).
         self._arrived = gevent.event.Event()
         # Set when the last one leaves: cuts the watchdog's tick short, so a connection that comes and
         # goes within a tick (a kubelet probe, a scrape) costs no timer wake-up of its own.
         self._emptied = gevent.event.Event()
 
-    @property
-    def port(self) -> int:
-        return self.server.server_port
-
-    @property
-    def admin_port(self) -> int | None:
-        return None if self.admin_server is None else self.admin_server.server_port
-
-    def start(self) -> None:
-        self.server.start()
-        if self.admin_server is not None:
-            self.admin_server.start()
-        self._greenlets = [*(gevent.spawn(task) for task in self.app.background()), gevent.spawn(self._watchdog)]
-
-    def stop(self, timeout: float = 1.0) -> None:
-        self.server.close()
-        if self.admin_server is not None:
-            self.admin_server.close()
-        deadline = self.clock() + timeout
-        while self.connections and self.clock() < deadline:
-            gevent.sleep(0.02)
-        for conn in list(self.connections):
-            conn.expire()
-        gevent.killall(self._greenlets, block=False)
-        self.app.close()
-
-    def _handle_admin(self, sock: gevent.socket.socket, address: Any) -> None:
-        self._handle(sock, address, admin=True)
-
-    def _handle(self, sock: gevent.socket.socket, address: Any, admin: bool = False) -> None:
-        peer = address[0] if isinstance(address, tuple) else ""
-        if not admin and not self._admit_address(peer):
-            self._refuse(sock)
-            return
-        try:
-            sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, admin, self.request_timeout, self.pace)
+    def serve(self, app: ServedApp, conn: ClientConnection) -> None:
+        """Serve ``conn`` to its end under this watch, then close it."""
         self.connections.add(conn)
         if len(self.connections) == 1:
             self._arrived.set()
         try:
-            serve_connection(self.app, conn)
+            serve_connection(app, conn)
         except Exception as exc:  # noqa: BLE001 - one bad connection must not print a traceback
             tb = exc.__traceback__
             while tb is not None and tb.tb_next is not None:
@@ -595,40 +593,17 @@ class GatewayServer:
             if not self.connections:
                 self._emptied.set()
             conn.close()
-            if not admin:
-                self._leave_address(peer)
 
-    def _admit_address(self, peer: str) -> bool:
-        """One client address holds at most ``per_address_cap`` public connections of this worker,
-        so it can never take the whole pool from everybody else (0 = no cap, e.g. behind a proxy)."""
-        count = self.per_address.get(peer, 0)
-        if self.per_address_cap and count >= self.per_address_cap:
-            return False
-        self.per_address[peer] = count + 1
-        return True
+    def drain(self, timeout: float) -> None:
+        """Give the connections ``timeout`` seconds to finish, then cut the rest."""
+        deadline = self.clock() + timeout
+        while self.connections and self.clock() < deadline:
+            gevent.sleep(0.02)
+        for conn in list(self.connections):
+            conn.expire()
 
-    def _leave_address(self, peer: str) -> None:
-        left = self.per_address.get(peer, 0) - 1
-        if left > 0:
-            self.per_address[peer] = left
-        else:
-            self.per_address.pop(peer, None)
-
-    def _refuse(self, sock: gevent.socket.socket) -> None:
-        """429 and close, without reading: a fresh socket's send buffer takes the answer at once."""
-        self.app.connection_refused()
-        error = ERRORS["too_many_connections"]
-        body = error_body(error)
-        try:
-            sock._sock.send(response_head(error.status, [
-                (b"Content-Type", JSON), (b"Content-Length", b"%d" % len(body)), (b"Connection", b"close"),
-            ]) + body)
-        except OSError:
-            pass
-        finally:
-            sock.close()
-
-    def _watchdog(self) -> None:
+    def run(self) -> None:
+        """The watchdog greenlet."""
         while True:
             if not self.connections:  # nothing to watch: park until a connection arrives
                 self._arrived.clear()
@@ -636,16 +611,95 @@ class GatewayServer:
             self._emptied.clear()
             if not self.connections or self._emptied.wait(WATCHDOG_SECONDS):
                 continue  # all gone before the tick: park again
-            now = self.clock()
-            lazy = now - LAZY_WATCH_SECONDS
-            for conn in self.connections:
-                if conn.deadline < now:
-                    conn.expire()
-                upstream = conn.upstream
-                if upstream is not None and upstream.deadline < now:
-                    upstream.abort()
-                if conn.polled:
-                    conn.poll_hang_up()
-                since = conn.waiting_since
-                if since is not None and since < lazy and not conn.watching and not conn.gone:
-                    conn.arm_watch()
+            self._tick(self.clock())
+
+    def _tick(self, now: float) -> None:
+        lazy = now - LAZY_WATCH_SECONDS
+        for conn in self.connections:
+            if conn.deadline < now:
+                conn.expire()
+            upstream = conn.upstream
+            if upstream is not None and upstream.deadline < now:
+                upstream.abort()
+            if conn.polled:
+                conn.poll_hang_up()
+            since = conn.waiting_since
+            if since is not None and since < lazy and not conn.watching and not conn.gone:
+                conn.arm_watch()
+
+
+class GatewayServer:
+    """The app on a gevent StreamServer, plus the prober and watchdog greenlets. Build and run in
+    one hub thread. The admin listener is served from the control thread (``gateway.control``):
+    ``control``, the one to use (a one-worker Pod's, shared with its scaler), else one of its own."""
+
+    def __init__(self, app: ServedApp, listener: std_socket.socket, *, max_connections: int,
+                 clock: Callable[[], float] = time.monotonic, admin_listener: std_socket.socket | None = None,
+                 control: ControlThread | None = None) -> None:
+        self.app = app
+        self.clock = clock
+        self.idle_timeout = app.config.client_idle_timeout_seconds
+        self.request_timeout = app.config.client_request_timeout_seconds
+        config = app.config
+        self.pace = UploadPace(config.client_min_rate_bytes, config.client_min_rate_window_seconds,
+                               config.client_body_grace_seconds, config.client_body_timeout_seconds)
+        self.addresses = AddressCounts(config.connections_per_address)
+        self.watch = ConnectionWatch(clock)
+        self.connections = self.watch.connections  # the public port's open connections
+        self.server = StreamServer(listener, self._handle, spawn=gevent.pool.Pool(max_connections))
+        self._admin_listener = admin_listener
+        self.control = control
+        self._owns_control = False
+        self.admin: AdminServer | None = None  # built in start(), on the control thread
+        self._greenlets: list[gevent.Greenlet] = []
+
+    @property
+    def port(self) -> int:
+        return self.server.server_port
+
+    @property
+    def admin_port(self) -> int | None:
+        return None if self._admin_listener is None else self._admin_listener.getsockname()[1]
+
+    def start(self) -> None:
+        self.server.start()
+        if self._admin_listener is not None:
+            from gateway.control import AdminServer, ControlThread
+
+            if self.control is None:
+                self.control = ControlThread().start()
+                self._owns_control = True
+            # Built and started in the control thread: its pool, events and watchers are that hub's.
+            self.admin = self.control.call(AdminServer.serve, self.app, self._admin_listener, self.pace)
+        self._greenlets = [*(gevent.spawn(task) for task in self.app.background()), gevent.spawn(self.watch.run)]
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self.server.close()
+        admin_stopped = None
+        if self.admin is not None and self.control is not None:
+            # The admin port closes now and drains on its own hub while the public port drains here.
+            admin_stopped = self.control.submit(self.admin.stop, timeout)
+        self.watch.drain(timeout)
+        if admin_stopped is not None:
+            admin_stopped.get(timeout + 5.0)
+        gevent.killall(self._greenlets, block=False)
+        self.app.close()
+        if self._owns_control and self.control is not None:
+            self.control.stop()
+
+    def _handle(self, sock: gevent.socket.socket, address: Any) -> None:
+        peer = peer_of(address)
+        if not self.addresses.admit(peer):
+            # One client address holds at most ``connections_per_address`` public connections of this
+            # worker, so it can never take the whole pool from everybody else.
+            refuse(self.app, sock)
+            return
+        try:
+            try:
+                sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, False, self.request_timeout, self.pace)
+            self.watch.serve(self.app, conn)
+        finally:
+            self.addresses.leave(peer)

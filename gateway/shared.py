@@ -296,7 +296,8 @@ class SharedGatewayApp(AnswersHere):
     def queue_json(self) -> bytes:
         """``/noctaya/queue``: each model's admission, lease and readiness (as a per-model gateway
         shows its own), and the Pod-wide held-body budget."""
-        models = ",".join(f"{json.dumps(name)}:{app.queue_json().decode()}" for name, app in self.apps.items())
+        # A snapshot of the apps: the admin port's thread reads them while the loop may apply a new table.
+        models = ",".join(f"{json.dumps(name)}:{app.queue_json().decode()}" for name, app in list(self.apps.items()))
         return (f'{{"heldBytes":{self.budget.held_bytes},"heldBytesLimit":{self.budget.max_bytes},'
                 f'"draining":{json.dumps(self.draining)},"models":{{{models}}}}}').encode()
 

@@ -2,16 +2,17 @@
 worker processes.
 
 **One worker** (the default where the Pod's CPU limit or request rounds to one core, as rendered):
-the worker is the whole Pod. It serves HTTP on its gevent loop, samples its own demand in an OS
-thread, and serves KEDA's ExternalScaler on the same loop with h2 (``scaler.h2server``): one
-process, no supervisor and no scaler child, so an idle Pod costs one interpreter (docs/benchmarks.md,
-"Idle footprint"). A crash ends the process and the kubelet restarts the container; its admission
+the worker is the whole Pod. It serves the public port on its gevent loop, samples its own demand
+in an OS thread, and serves the admin port and KEDA's ExternalScaler (h2, ``scaler.h2server``) on
+its control thread, a hub of their own (``gateway.control``), so no load on the public port can
+keep the kubelet's probes or KEDA waiting: one process, no supervisor and no scaler child, so an
+idle Pod costs one interpreter (docs/benchmarks.md, "Idle footprint"). A crash ends the process and the kubelet restarts the container; its admission
 slots die with it, so none leak.
 
 **Several workers:** the supervisor (this module, plain threads, no gevent) creates the Pod's shared state
 (``gateway.state.pod``), one ``SO_REUSEPORT`` listening socket per worker on the same port, and forks
 the workers; each worker runs its own gevent loop over its own socket (the kernel spreads new
-connections across them). The supervisor then owns everything that is one per Pod:
+connections across them), and its admin listener on a control thread of its own. The supervisor then owns everything that is one per Pod:
 
 - the demand sampler summing the workers' rows into one ``Demand`` for KEDA, feeding the scaler
   child process (``local``) or the aggregator reporter (``report``);
@@ -41,6 +42,7 @@ import gevent
 from gateway.backends import endpoint_feed
 from gateway.cgroup import cgroup_root, default_workers
 from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.control import ControlThread
 from gateway.drain import Drainer
 from gateway.endpointslices import EndpointFeed
 from gateway.logs import configure_logging
@@ -85,10 +87,13 @@ Listeners = tuple[std_socket.socket, std_socket.socket]  # (public, admin) of on
 
 
 def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listeners: Listeners, *, forked: bool = True,
-               app_factory: Callable[[EndpointFeed | None, str], ServedApp] | None = None) -> int:
+               app_factory: Callable[[EndpointFeed | None, str], ServedApp] | None = None,
+               control: ControlThread | None = None) -> int:
     """Body of a worker (forked, or the one-worker Pod's only process): serve until SIGTERM has
     drained it. ``app_factory(feed, namespace)``: another app than one model's (a shared gateway's).
-    Each worker watches the backend's Pods itself (its own thread) and balances its own requests."""
+    Each worker watches the backend's Pods itself (its own thread) and balances its own requests.
+    ``control``: the thread serving the admin port (the one-worker Pod's, which also serves its
+    scaler); a forked worker starts its own."""
     if forked:
         gevent.reinit()
         reseed_request_ids()  # forked workers must not hand out the same ids
@@ -96,7 +101,7 @@ def run_worker(config: GatewayConfig, pod: PodState | None, index: int, listener
     app = app_factory(feed, namespace) if app_factory is not None else GatewayApp(
         config, pod=pod, worker=index, feed=feed, namespace=namespace)
     public, admin = listeners
-    server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin)
+    server = GatewayServer(app, public, max_connections=config.max_connections, admin_listener=admin, control=control)
     server.start()
     drainer = Drainer(server, config.drain_grace_seconds, delay=config.drain_delay_seconds)
     gevent.signal_handler(signal.SIGTERM, drainer.begin)
@@ -270,14 +275,14 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: PodState, *,
-                  in_process: bool = False) -> list[Callable[[], None]]:
+                  control: ControlThread | None = None) -> list[Callable[[], None]]:
     """Start the demand sink of the configured scaler mode; returns its shutdown steps. Either
     records in `pod` when demand was pushed active (the workers time activations by it). In
-    ``local`` mode a one-worker Pod serves the ExternalScaler on its own gevent loop
-    (``in_process``); a supervisor runs it as a child process, on a core of its own."""
+    ``local`` mode a one-worker Pod serves the ExternalScaler in-process on its ``control``
+    thread; a supervisor runs it as a child process, on a core of its own."""
     if config.scaler_mode == "local":
-        if in_process:
-            return _start_h2_scaler(config, broadcaster, on_activated=pod.mark_pushed,
+        if control is not None:
+            return _start_h2_scaler(config, broadcaster, control, on_activated=pod.mark_pushed,
                                     on_certificate=pod.mark_scaler_certificate)
         from gateway.scaler_process import ScalerProcess
 
@@ -294,9 +299,11 @@ def _start_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, pod: Po
     return []
 
 
-def _start_h2_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, **kwargs: Any) -> list[Callable[[], None]]:
-    """The ExternalScaler on this process's own loop (``kwargs``: what the per-model or the shared
-    gateway adds, see ``start_h2_scaler_server``); returns its shutdown step."""
+def _start_h2_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, control: ControlThread,
+                     **kwargs: Any) -> list[Callable[[], None]]:
+    """The ExternalScaler on the control thread's hub, beside the admin port and away from the
+    worker's loop (``kwargs``: what the per-model or the shared gateway adds, see
+    ``start_h2_scaler_server``); returns its shutdown step."""
     from scaler.externalscaler import ScalerSettings
     from scaler.h2server import start_h2_scaler_server
     from scaler.tls import TLSFiles
@@ -305,13 +312,16 @@ def _start_h2_scaler(config: GatewayConfig, broadcaster: DemandBroadcaster, **kw
     if config.scaler_tls_cert_file:  # load_config has checked the three files come together
         assert config.scaler_tls_key_file and config.scaler_tls_ca_file
         tls = TLSFiles(config.scaler_tls_cert_file, config.scaler_tls_key_file, config.scaler_tls_ca_file)
-    # Streams wait on the broadcaster, woken by every flip (and by a cancel): a slice that long only
-    # bounds a wait nothing can miss on one loop, and keeps an idle Pod asleep.
+    # Streams wait on the broadcaster, woken by every flip (and by a cancel; the sampler's thread
+    # wakes the control hub through its loop): a slice that long only bounds a wait nothing can
+    # miss, and keeps an idle Pod asleep.
     settings = ScalerSettings(metric_name=config.metric_name, target=config.scaling_target,
                               wait_slice=IN_PROCESS_STREAM_WAIT_SECONDS)
-    server = start_h2_scaler_server(broadcaster, config.scaler_port, host=config.listen_host,
-                                    settings=settings, tls=tls, **kwargs)
-    return [lambda: server.stop(grace=SCALER_STOP_GRACE_SECONDS)]
+    # Built in the control thread: its servers, pools and the streams' waits belong to that hub.
+    server = control.call(lambda: start_h2_scaler_server(
+        broadcaster, config.scaler_port, host=config.listen_host, settings=settings, tls=tls,
+        max_per_address=config.control_connections_per_address, **kwargs))
+    return [lambda: control.call(server.stop, SCALER_STOP_GRACE_SECONDS, timeout=SCALER_STOP_GRACE_SECONDS + 10)]
 
 
 def _shut_down(steps: list[Callable[[], None]], sampler: DemandSampler | ModelsSampler) -> None:
@@ -344,19 +354,22 @@ def run_single(config: GatewayConfig) -> int:
     listeners = _own_listeners(config)
     if listeners is None:
         return 1
+    control = ControlThread().start()
     try:
-        steps = _start_scaler(config, broadcaster, pod, in_process=True)
+        steps = _start_scaler(config, broadcaster, pod, control=control)
     except Exception as exc:
         log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
+        control.stop()
         return 1
     sampler = DemandSampler(pod, broadcaster).start()
     log.info("gateway listening", extra={"port": listeners[0].getsockname()[1],
                                          "admin_port": listeners[1].getsockname()[1], "workers": 1,
                                          "backend": config.backend_netloc})
     try:
-        return run_worker(config, pod, 0, listeners, forked=False)
+        return run_worker(config, pod, 0, listeners, forked=False, control=control)
     finally:
         _shut_down(steps, sampler)
+        control.stop()
 
 
 def run_shared(config: GatewayConfig) -> int:
@@ -379,24 +392,30 @@ def run_shared(config: GatewayConfig) -> int:
     listeners = _own_listeners(config)
     if listeners is None:
         return 1
+    control = ControlThread().start()
     try:
-        steps = _start_shared_scaler(config, demand, pod)
+        steps = _start_shared_scaler(config, demand, pod, control)
     except Exception as exc:
         log.error("cannot start the scaler", extra={"mode": config.scaler_mode, "error": str(exc)})
+        control.stop()
         return 1
     sampler = ModelsSampler(demand).start()
     log.info("shared gateway listening", extra={"port": listeners[0].getsockname()[1], "models": len(table.models)})
     try:
-        return run_worker(config, None, 0, listeners, forked=False, app_factory=lambda feed, namespace: SharedGatewayApp(
-            config, table, table_file=table_file, demand=demand, pod=pod, feed=feed, namespace=namespace))
+        return run_worker(config, None, 0, listeners, forked=False, control=control,
+                          app_factory=lambda feed, namespace: SharedGatewayApp(
+                              config, table, table_file=table_file, demand=demand, pod=pod, feed=feed,
+                              namespace=namespace))
     finally:
         _shut_down(steps, sampler)
+        control.stop()
 
 
-def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand, pod: PodState) -> list[Callable[[], None]]:
+def _start_shared_scaler(config: GatewayConfig, demand: ModelDemand, pod: PodState,
+                         control: ControlThread) -> list[Callable[[], None]]:
     """The scaler side of a shared gateway (see run_shared); returns its shutdown steps."""
     if config.scaler_mode == "local":
-        return _start_h2_scaler(config, DemandBroadcaster(), models=demand.broadcaster, members=demand.by_scaled_object,
+        return _start_h2_scaler(config, DemandBroadcaster(), control, models=demand.broadcaster, members=demand.by_scaled_object,
                                 on_certificate=pod.mark_scaler_certificate)
     if config.scaler_mode == "report":
         from scaler.reporter import DemandReporter

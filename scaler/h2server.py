@@ -12,7 +12,9 @@ HEADERS frame ("trailers-only") when a call fails before any message.
 
 Every resource has a bound:
 
-- connections: ``max_connections`` (beyond it the server stops accepting until one closes);
+- connections: ``max_connections`` (beyond it the server stops accepting until one closes), and
+  ``max_per_address`` from one client address (closed at once beyond it: idle sockets from one
+  address cannot take the pool from KEDA);
 - streams per connection: SETTINGS_MAX_CONCURRENT_STREAMS (h2 refuses more); open
   StreamIsActive streams: the servicer's ``max_streams``, shared between client addresses by
   ``scaler.streamtable`` (a full table ends the oldest stream of the biggest holder with
@@ -88,6 +90,7 @@ MAX_HEADER_LIST_BYTES = 16 * 1024
 # polls on one connection: twice that leaves room for the polls.
 MAX_STREAMS_PER_CONNECTION = 512
 MAX_CONNECTIONS = 64
+MAX_PER_ADDRESS = 8
 # Request bytes of calls not yet complete, per connection: KEDA's requests are under 1 KiB and
 # arrive whole; this lets 16 clients' largest messages be in flight while 64 connections hold at
 # most 64 MiB between them.
@@ -519,9 +522,12 @@ class H2ScalerServer:
 
     def __init__(self, servicer: ExternalScalerServicer, host: str, port: int, *,
                  tls: ReloadingServerContext | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_address: int = MAX_PER_ADDRESS,
                  max_streams: int = ScalerSettings().max_streams) -> None:
         self.servicer = servicer
         self._tls = tls
+        self._max_per_address = max_per_address  # 0 = no cap
+        self._per_address: dict[str, int] = {}  # open connections by client address (this hub only)
         self._connections: set[_Connection] = set()
         # StreamIsActive slots by client address, as many as the servicer admits (its max_streams).
         self.streams: StreamTable[tuple[_Connection, _Call]] = StreamTable(max_streams)
@@ -534,7 +540,21 @@ class H2ScalerServer:
         self._server.start()
         return self
 
-    def _handle(self, sock: socket.socket, address: Any) -> None:
+    def _handle(self, sock: socket.socket, address: object) -> None:
+        peer = address[0] if isinstance(address, tuple) else ""
+        count = self._per_address.get(peer, 0)
+        if self._max_per_address and count >= self._max_per_address:
+            sock.close()
+            return
+        self._per_address[peer] = count + 1
+        try:
+            self._serve(sock, peer)
+        finally:
+            left = self._per_address.pop(peer, 1) - 1
+            if left > 0:
+                self._per_address[peer] = left
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # One deadline for the TLS handshake, the preface and the first SETTINGS: a per-read
         # timeout would let a peer that sends a byte now and then hold its slot for ever.
@@ -547,7 +567,6 @@ class H2ScalerServer:
             except (OSError, ValueError):  # ssl.SSLError is an OSError: no or a bad client certificate
                 sock.close()
                 return
-        peer = address[0] if isinstance(address, tuple) and address else str(address)
         connection = _Connection(self, sock, peer, deadline)
         self._connections.add(connection)
         connection.serve()
@@ -581,6 +600,7 @@ def start_h2_scaler_server(
     tls: TLSFiles | None = None,
     on_activated: Callable[[float], None] | None = None,
     max_connections: int = MAX_CONNECTIONS,
+    max_per_address: int = MAX_PER_ADDRESS,
     models: Callable[[str], DemandBroadcaster | None] | None = None,
     members: Callable[[str, str], DemandBroadcaster | None] | None = None,
     on_certificate: CertificateListener | None = None,
@@ -598,6 +618,7 @@ def start_h2_scaler_server(
                                       members=members)
     try:
         server = H2ScalerServer(servicer, host, port, tls=context, max_connections=max_connections,
+                                max_per_address=max_per_address,
                                 max_streams=settings.max_streams)
     except OSError as exc:
         raise OSError(f"cannot bind the gRPC scaler to {host}:{port}: {exc.strerror or exc}") from None

@@ -312,11 +312,12 @@ def test_metrics_and_queue_are_served_on_the_admin_port_only(backend, make_gatew
 def test_admin_port_connection_bound_at_the_limit(backend, make_gateway) -> None:
     # The admin port serves at most ADMIN_MAX_CONNECTIONS at once per worker, from a pool of its own:
     # with it full, the public port still answers, and the next admin connection waits (in the
-    # backlog) until a slot frees, then is served.
+    # backlog) until a slot frees, then is served. (The per-address cap is lifted here, so one
+    # address can fill the pool, and the idle time is long, so the pool stays full meanwhile.)
     from gateway.server import ADMIN_MAX_CONNECTIONS
 
     backend.start()
-    gw = make_gateway(backend)
+    gw = make_gateway(backend, control_connections_per_address=0, admin_idle_timeout_seconds=120.0)
     port = int(gw.admin_url.rsplit(":", 1)[1])
     held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(ADMIN_MAX_CONNECTIONS)]
     try:
@@ -342,16 +343,18 @@ def test_the_watchdog_parks_when_the_last_connection_leaves_not_a_tick_later(bac
                                                                               monkeypatch) -> None:
     """A kubelet probe every few seconds must not cost a timer wake-up of the watchdog each (an idle
     Pod's CPU is mostly wake-ups): the tick is cut short when the last connection leaves. A connection
-    that stays is still watched every tick (its idle deadline is enforced)."""
+    that stays is still watched every tick (its idle deadline is enforced). Probes reach the admin
+    port's own watchdog (on the control thread); a public connection, the worker's."""
     import gateway.server
 
     tick = 5.0  # long, so that "at once" and "a tick later" cannot be confused on a loaded host
     monkeypatch.setattr(gateway.server, "WATCHDOG_SECONDS", tick)
     gw = make_gateway(backend)
     server = gw.server
+    admin = server.admin.watch
 
     def parked() -> bool:
-        return not server.connections and server._arrived.linkcount() == 1
+        return server.control.call(lambda: not admin.connections and admin._arrived.linkcount() == 1)
 
     for _ in range(3):
         assert requests.get(f"{gw.admin_url}/healthz", timeout=5).status_code == 200
@@ -362,6 +365,6 @@ def test_the_watchdog_parks_when_the_last_connection_leaves_not_a_tick_later(bac
     # A connection that stays: the watchdog waits out its tick (and would expire it at its deadline).
     with socket.create_connection(("127.0.0.1", gw.port), timeout=5):
         started = time.monotonic()
-        while gw.call(lambda: (len(server.connections), server._emptied.linkcount())) != (1, 1):
+        while gw.call(lambda: (len(server.connections), server.watch._emptied.linkcount())) != (1, 1):
             assert time.monotonic() - started < tick / 2
             time.sleep(0.005)
