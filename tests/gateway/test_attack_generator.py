@@ -70,7 +70,7 @@ from tests.gateway.loopwatch import LoopWatch
 
 # Families whose property fails today (the fixes are in other branches of issue 38). Remove a name
 # once its fix is merged: a listed family that passes fails the suite (strict xfail).
-KNOWN_FAILING: set[str] = {"h2"}
+KNOWN_FAILING: set[str] = set()  # h2: fixed by the scaler's frame allowances and time slices (wip/38b)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.attack]
 
