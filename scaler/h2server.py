@@ -95,6 +95,9 @@ MAX_PER_ADDRESS = 8
 # arrive whole; this lets 16 clients' largest messages be in flight while 64 connections hold at
 # most 64 MiB between them.
 MAX_BUFFERED_BYTES = 1024 * 1024
+# Requests begun and not finished, per connection (beyond: RST_STREAM REFUSED_STREAM, which a client
+# may retry): KEDA sends each request whole in one write, so it has at most a few at any moment.
+MAX_PENDING_CALLS = 64
 # TLS handshake + the client's preface and first SETTINGS, in all: KEDA sends them in its first
 # round trips inside the cluster; a peer that has not by then only holds a connection slot.
 HANDSHAKE_SECONDS = 5.0
@@ -195,6 +198,7 @@ class _Connection:
         self._closed = False
         self._meter = FrameMeter(self._answered)
         self._buffered = 0  # request bytes held for calls not yet complete
+        self._pending: set[int] = set()  # streams whose request is not complete yet
 
     # -- the reading side ----------------------------------------------------------------------
     def serve(self) -> None:
@@ -286,11 +290,17 @@ class _Connection:
     def _on_request(self, stream_id: int, headers: dict[str, str]) -> None:
         path = headers.get(":path", "")
         method = path[len(SERVICE_PATH):] if path.startswith(SERVICE_PATH) else ""
+        if len(self._pending) >= MAX_PENDING_CALLS:
+            # Each open stream holds h2's state and a call: a client that opens them without ever
+            # finishing a request must not make 512 per connection cost memory.
+            self._h2.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
+            return
         call = _Call(stream_id, method)
         self._calls[stream_id] = call
+        self._pending.add(stream_id)
         if headers.get(":method") != "POST" or not headers.get("content-type", "").startswith("application/grpc"):
             # Not gRPC at all: a plain HTTP answer, as grpc servers give one.
-            call.answered = True
+            self._settle(call)
             self._send_headers(call, [(":status", "415")], end_stream=True)
             self._forget(call)
             return
@@ -299,7 +309,7 @@ class _Connection:
 
     def _dispatch(self, call: _Call) -> None:
         """The whole request is here: decode it, then answer a unary call at once or start a stream."""
-        call.answered = True
+        self._settle(call)
         request_type, streaming = METHODS[call.method]
         body = call.body
         self._drop_body(call)
@@ -341,12 +351,17 @@ class _Connection:
 
     def _refuse(self, call: _Call, code: Status, details: str) -> None:
         """A trailers-only answer (no message was sent)."""
-        call.answered = True
+        self._settle(call)
         try:
             self._send_headers(call, _RESPONSE_HEADERS + _trailers(code, details), end_stream=True)
         except H2Error:
             pass  # the stream is already closed on the client's side
         self._forget(call)
+
+    def _settle(self, call: _Call) -> None:
+        """The request is answered or dispatched: the rest of it is ignored."""
+        call.answered = True
+        self._pending.discard(call.stream_id)
 
     def _drop_body(self, call: _Call) -> None:
         self._buffered -= len(call.body)
@@ -354,6 +369,7 @@ class _Connection:
 
     def _forget(self, call: _Call) -> None:
         self._calls.pop(call.stream_id, None)
+        self._pending.discard(call.stream_id)
         self._drop_body(call)
         call.close()
 

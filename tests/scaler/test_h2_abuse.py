@@ -368,3 +368,30 @@ def test_the_frame_meter_cuts_at_frame_boundaries_whatever_the_reads() -> None:
     assert all(len(piece) for piece in pieces)
     cuts = [sum(map(len, pieces[:i + 1])) for i in range(len(pieces))]
     assert all(cut in ends for cut in cuts) and len(pieces) == -(-(2 + len(frames)) // h2limits.PIECE_FRAMES)
+
+
+def test_requests_begun_and_never_finished_are_refused_beyond_the_bound(server) -> None:
+    """Streams opened with HEADERS alone hold h2's state and a call each: past MAX_PENDING_CALLS per
+    connection they are refused (RST_STREAM REFUSED_STREAM), and a finished request is still served."""
+    scaler = server()
+    client = SourceClient(scaler.port, "127.0.0.1")
+    try:
+        opened = 200
+        ids = [1 + 2 * i for i in range(opened)]
+        client.sock.sendall(b"".join(frame(HEADERS, END_HEADERS, s, request_headers(client.encoder)) for s in ids))
+        refused = h2server.MAX_PENDING_CALLS
+
+        def resets() -> list[int]:
+            return [s for kind, _, s, p in client.frames
+                    if kind == RST_STREAM and int.from_bytes(p, "big") == ErrorCodes.REFUSED_STREAM]
+
+        client.pump(lambda: len(resets()) >= opened - refused)
+        assert resets() == ids[refused:]
+        # The held ones finish: each is answered, and a new request is admitted again.
+        client.sock.sendall(b"".join(frame(DATA, END_STREAM, s, REQUEST) for s in ids[:refused]))
+        client.pump(lambda: all(client.pushed(s) for s in ids[:refused]))
+        again = client.open_streams(1, first=ids[-1] + 2)[0]
+        client.pump(lambda: client.pushed(again))
+        assert scaler.servicer.open_streams == refused + 1
+    finally:
+        client.sock.close()
