@@ -23,7 +23,8 @@ Every resource has a bound:
   CONTINUATION, RST_STREAM of an unanswered stream) and streams reset before an answer: per
   connection allowances (``scaler.h2limits``), beyond them GOAWAY ENHANCE_YOUR_CALM and close;
 - a request: one message of at most ``MAX_MESSAGE_BYTES`` (RESOURCE_EXHAUSTED), headers at most
-  ``MAX_HEADER_LIST_BYTES``; request bytes buffered per connection at most ``MAX_BUFFERED_BYTES``;
+  ``MAX_HEADER_LIST_BYTES``; request bytes buffered per connection at most ``MAX_BUFFERED_BYTES``,
+  requests begun and not finished at most ``MAX_PENDING_CALLS`` (RST_STREAM REFUSED_STREAM beyond);
 - CPU: the reading greenlet gives the loop back after at most ``gateway.slices.SLICE_SECONDS`` of
   the thread's CPU time, however fast input arrives;
 - time: the TLS handshake, the client's preface and its first SETTINGS within ``HANDSHAKE_SECONDS``
