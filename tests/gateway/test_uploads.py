@@ -152,12 +152,17 @@ def test_upload_budget_at_its_bounds() -> None:
         a.take(1)
     assert refused.value.per_address and budget.bytes == 16
     b.take(14)  # exactly the worker's bound
+    b.take(1)  # within its fair share (30 / 2): the full budget preempts a's upload, over its share
+    assert a.preempted and budget.bytes == 15 and budget.by_address == {"127.0.0.3": 15}
+    c = budget.reservation("127.0.0.4")
+    c.take(15)  # exactly the worker's bound again
     with pytest.raises(UploadRefused) as refused:
-        b.take(1)
+        c.take(1)  # past its fair share while the budget is full: the worker is full, for it
     assert not refused.value.per_address
     a.release()
-    a.release()  # idempotent
-    assert budget.bytes == 14 and budget.by_address == {"127.0.0.3": 14}
+    a.release()  # idempotent (a preempted upload's bytes were given back already)
+    c.release()
+    assert budget.bytes == 15 and budget.by_address == {"127.0.0.3": 15}
     b.release()
     assert budget.bytes == 0 and budget.by_address == {}
 
