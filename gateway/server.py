@@ -338,14 +338,18 @@ class ClientConnection:
             pass
         return True
 
-    def _preempt(self) -> None:
-        """The upload budget gave this body's bytes to an address under its fair share: end the read
-        (the client gets 429 upload_bytes_full). Hub-safe: no switch."""
+    def _preempt(self) -> bool:
+        """The upload budget gives this body's bytes to an address under its fair share: end the read
+        (the client gets 429 upload_bytes_full). False once the body is read whole (it is being
+        forwarded: not cut). Called from another greenlet's read: no switch here."""
+        if self.message_done:
+            return False
         self.preempted = True
         try:
             self.raw.shutdown(std_socket.SHUT_RD)
         except OSError:
             pass
+        return True
 
     def _message_read(self) -> None:
         self.message_done = True
@@ -713,7 +717,7 @@ class GatewayServer:
             lazy = now - LAZY_WATCH_SECONDS
             for conn in self.connections:
                 if conn.deadline < now:
-                    if not conn.wire and not conn.admin:
+                    if not conn.wire and not conn.admin and not conn.gone:
                         self.first_byte_timeouts += 1  # nothing sent since it connected
                     conn.expire()
                 upstream = conn.upstream

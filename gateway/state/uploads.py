@@ -18,7 +18,10 @@ room from the address holding the most: that address's largest upload is preempt
 the budget at once and its connection is told to stop, ``on_preempt``; the client gets 429
 ``upload_bytes_full``). The victim always exists: if the budget is full and the newcomer is within
 its share, the other addresses hold more than ``(k - 1) / k`` of it between ``k - 1`` of them, so one
-holds more than its share. An address already at or over its share when the budget is full is
+holds more than its share. Only a body still arriving is cut (a stalled upload always is): a complete
+one being written to the backend leaves the budget soon by itself, and cutting it would fail a request
+sent in full; while only such bodies are over their share, the newcomer is refused for that moment.
+An address already at or over its share when the budget is full is
 refused ``upload_bytes_full``: the worker is genuinely full, for it. One address alone (every
 client behind one proxy) has the whole budget as its share, as before.
 
@@ -71,23 +74,26 @@ class UploadBudget:
             raise UploadRefused(per_address=True)
         while self.bytes + n > self.max_bytes:
             # fair_share only grows as victims' addresses leave: one check per round is exact.
-            if mine > self.fair_share(address) or not self._preempt_largest():
+            share = self.fair_share(address)
+            if mine > share or not self._preempt_largest(share):
                 raise UploadRefused(per_address=False)
         self.by_address[address] = mine
         self.bytes += n
 
-    def _preempt_largest(self) -> bool:
-        """Cut the largest upload of the address holding the most bytes (over its fair share, by the
-        argument in the module's docstring). False: no upload to cut (bytes taken without a
-        reservation). A scan of the uploads in flight, only when the budget is full."""
+    def _preempt_largest(self, share: int) -> bool:
+        """Cut the largest upload of the address holding the most bytes, over ``share`` (one exists,
+        by the argument in the module's docstring). Only a body still arriving can be cut: a
+        complete one being written to the backend leaves soon by itself, and cutting it would fail
+        a request the client has sent in full. False: nothing to cut. A sort of the uploads in
+        flight, only when the budget is full."""
         by_address = self.by_address
-        richest = max(by_address, key=by_address.__getitem__)
-        victim = max((r for r in self.holders if r.address == richest), key=lambda r: r.bytes, default=None)
-        if victim is None:
-            return False
-        self.preempted += 1
-        victim.preempt()
-        return True
+        over = [r for r in self.holders if by_address[r.address] > share]
+        over.sort(key=lambda r: (by_address[r.address], r.bytes), reverse=True)
+        for victim in over:
+            if victim.preempt():
+                self.preempted += 1
+                return True
+        return False
 
     def give(self, address: str, n: int) -> None:
         if not n:
@@ -105,7 +111,8 @@ class UploadBudget:
 class UploadReservation:
     """One body's bytes in ``budget`` while it arrives; released exactly once (idempotent).
     ``on_preempt`` (set by the reader of the body) stops the reading when the budget preempts this
-    upload; every later ``take`` raises UploadRefused."""
+    upload, and returns False when the body is no longer arriving (it is not cut then); after a cut
+    every ``take`` raises UploadRefused."""
 
     __slots__ = ("_budget", "address", "bytes", "preempted", "on_preempt")
 
@@ -114,7 +121,7 @@ class UploadReservation:
         self.address = address
         self.bytes = 0
         self.preempted = False
-        self.on_preempt: Callable[[], None] | None = None
+        self.on_preempt: Callable[[], bool] | None = None
 
     def take(self, n: int) -> None:
         if self.preempted:
@@ -124,13 +131,14 @@ class UploadReservation:
             self._budget.holders.add(self)
         self.bytes += n
 
-    def preempt(self) -> None:
-        """Give the bytes back now (the reader drops them when it wakes, within this loop turn) and
-        stop the reader."""
+    def preempt(self) -> bool:
+        """Stop the reader and give the bytes back now (the reader drops them when it wakes, on the
+        next loop turn). False: nobody is reading this body any more, nothing done."""
+        if self.on_preempt is None or not self.on_preempt():
+            return False
         self.preempted = True
         self.release()
-        if self.on_preempt is not None:
-            self.on_preempt()
+        return True
 
     def release(self) -> None:
         if self.bytes:

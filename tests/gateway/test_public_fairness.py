@@ -147,7 +147,7 @@ def test_fair_upload_budget_preempts_the_largest_holder_for_a_newcomer() -> None
     for i in range(4):  # four addresses, two uploads of 10 each: the budget is full
         for j in range(2):
             r = budget.reservation(f"a{i}")
-            r.on_preempt = lambda name=f"a{i}/{j}": cut.append(name)
+            r.on_preempt = lambda name=f"a{i}/{j}": not cut.append(name)  # still arriving: cut
             r.take(10)
             holders.append(r)
     assert budget.bytes == 80
@@ -158,6 +158,9 @@ def test_fair_upload_budget_preempts_the_largest_holder_for_a_newcomer() -> None
     with pytest.raises(UploadRefused) as refused:
         newcomer.take(5)  # past its share while the budget is full: the worker is full, for it
     assert not refused.value.per_address
+    complete = next(r for r in holders if not r.preempted and r.address == "a2")
+    complete.on_preempt = lambda: False  # read whole, being forwarded: never cut
+    assert not complete.preempt() and complete.bytes == 10
     victim = next(r for r in holders if r.preempted)
     with pytest.raises(UploadRefused):
         victim.take(1)  # a preempted upload takes nothing more
