@@ -37,7 +37,15 @@ from gateway.auth import KeyFileAuthenticator
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.endpointslices import EndpointFeed
-from gateway.errors import ERRORS, NO_RETRY, GatewayError, backend_failure, error_body, sse_error_frame
+from gateway.errors import (
+    ERRORS,
+    NO_RETRY,
+    GatewayError,
+    backend_failure,
+    error_body,
+    model_not_found,
+    sse_error_frame,
+)
 from gateway.forward import ClientRelay
 from gateway.metrics import REJECTION_REASONS, GatewayMetrics
 from gateway.policy import InvalidJSON, inspect_cold_body, route
@@ -153,9 +161,12 @@ class RequestBody:
 
 
 def answer_error(conn: ClientConnection, metrics: GatewayMetrics, name: str,
-                 extra: list[tuple[bytes, bytes]] | None = None, *, close: bool = False) -> bool:
-    """Answer an OpenAI-style error; returns whether the connection may continue."""
-    error: GatewayError = ERRORS[name]
+                 extra: list[tuple[bytes, bytes]] | None = None, *, close: bool = False,
+                 error: GatewayError | None = None) -> bool:
+    """Answer an OpenAI-style error (``error``: ``name``'s with its own message, e.g. naming the
+    model); returns whether the connection may continue."""
+    if error is None:
+        error = ERRORS[name]
     if name in REJECTION_REASONS:
         metrics.reject(name)
     headers = list(extra or [])
@@ -392,7 +403,7 @@ class GatewayApp(AnswersHere):
             return self._ok(conn, self._models_body)
         if model_id == self._model:
             return self._ok(conn, json.dumps(self._model_object()).encode())
-        return self._error(conn, "model_not_found")
+        return answer_error(conn, self.metrics, "model_not_found", error=model_not_found(model_id))
 
     # -- a request for the backend -------------------------------------------------------------------
     def _forward_request(self, conn: ClientConnection, head: RequestHead) -> bool:
