@@ -94,13 +94,12 @@ REFUSED_AUTHORIZATIONS = [None, b"Bearer wrong", b"Bearer ", b"Basic Zmlyc3Qta2V
 @pytest.mark.parametrize("authorization", REFUSED_AUTHORIZATIONS)
 def test_a_per_model_gateway_refuses_a_wrong_key_before_any_body_byte(
         backend, make_gateway, tmp_path, authorization, expect_continue) -> None:
-    """The body is never sent: a 401 within a second shows nothing waited for it; no ``100
+    """The body is never sent: a 401 at all shows nothing waited for it; no ``100
     Continue`` invites it, and the connection closes (the unread body cannot be skipped)."""
     key = tmp_path / "api-key"
     key.write_text("first-key\n")
     gw = make_gateway(backend, auth_key_file=str(key))
-    took, answer = exchange(gw.port, declared_body_head(authorization, expect_continue=expect_continue))
-    assert took < 1.0
+    _, answer = exchange(gw.port, declared_body_head(authorization, expect_continue=expect_continue))
     assert answer.startswith(b"HTTP/1.1 401 ") and b"100 Continue" not in answer
     head, _, body = answer.partition(b"\r\n\r\n")
     assert b"\r\nconnection: close" in head.lower()

@@ -476,14 +476,13 @@ def post_head(authorization: bytes | None, length: int, *extra: bytes) -> bytes:
 def test_a_token_that_is_no_models_key_is_refused_before_any_body_byte(
         backends, team_keys, authorization, expect_continue) -> None:
     """Every model keyed: a token that is no key of any model is refused from the head alone. The
-    8 MiB body is never sent, so a 401 within a second shows nothing waited for it; no ``100
+    8 MiB body is never sent, so a 401 at all shows nothing waited for it; no ``100
     Continue`` invites it, and the connection closes."""
     gw = serve_table({"name": "a", "backendURL": backends["a"].url, "authKeyFiles": team_keys("team1", "both")},
                      {"name": "org/b", "backendURL": backends["b"].url, "authKeyFiles": team_keys("team2")})
     try:
         extra = [b"Expect: 100-continue"] if expect_continue else []
-        took, answer = exchange(gw.port, post_head(authorization, 8 * 1024 * 1024, *extra))
-        assert took < 1.0
+        _, answer = exchange(gw.port, post_head(authorization, 8 * 1024 * 1024, *extra))
         assert answer.startswith(b"HTTP/1.1 401 ") and b"100 Continue" not in answer
         head, _, body = answer.partition(b"\r\n\r\n")
         assert b"\r\nconnection: close" in head.lower()
