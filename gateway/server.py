@@ -34,6 +34,7 @@ from gevent.server import StreamServer
 from gateway.errors import ERRORS, error_body
 from gateway.idle import IdleConnections
 from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all
+from gateway.slices import Slice
 from gateway.state.uploads import UploadRefused, UploadReservation
 from gateway.timing import RequestTiming
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
@@ -71,10 +72,6 @@ log = logging.getLogger("noctaya.gateway")
 
 WATCHDOG_SECONDS = 0.25
 LAZY_WATCH_SECONDS = 0.25
-# A body arriving at line rate never makes recv wait, so without a yield its whole read (8 MiB:
-# ~10-20 ms of recv, parsing and copying on a busy worker) held the loop: other clients' warm
-# requests, probes and KEDA's calls waited behind every large upload (tests/gateway/test_loop_starvation.py).
-BODY_YIELD_BYTES = 256 * 1024
 ADMIN_MAX_CONNECTIONS = 64  # concurrent connections on the admin port (scrapes, operators), per worker
 # Greenlets beyond the public pool: a connection that arrives when the pool is full runs in one of
 # these just long enough to evict an idle connection (whose greenlet ends on the next loop turn) or
@@ -304,19 +301,20 @@ class ClientConnection:
             self._message_read()
             return piece
         parts = []
-        unyielded = 0
         wire = self.wire
         uploads.on_preempt = self._preempt
+        # A body arriving at line rate never makes recv wait (gevent's recv does not switch while
+        # input is queued), so the read must yield by itself. By CPU time, not by bytes: a body of
+        # 2-byte chunks costs ~100x more parsing per byte than one of 64 KiB reads, so a byte count
+        # held the loop for ~0.1 s per 256 KiB of tiny chunks (tests/gateway/test_slices.py).
+        work = Slice()
         for piece in self.body_pieces(limit):
             # What the client sent for it, framing included (2-byte chunks are 7 bytes a chunk on the
             # wire): the upload bounds count work and memory, not only the body's own bytes.
             uploads.take(max(len(piece), self.wire - wire))
             wire = self.wire
             parts.append(piece)
-            unyielded += len(piece)
-            if unyielded >= BODY_YIELD_BYTES:
-                unyielded = 0
-                gevent.sleep(0)  # the others' ready sockets are served before the next piece
+            work.check()  # the others' ready sockets are served before the next piece
         return b"".join(parts)
 
     def _busy(self) -> None:
