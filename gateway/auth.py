@@ -8,7 +8,10 @@ whichever matches, so the time taken does not tell which key (or whether an earl
 Neither the presented nor an expected key is ever logged or put into an error message.
 
 A shared gateway checks a request's token before reading its body, against every key of every model
-(:class:`KeyIndex`): one hash and one set lookup per request, whatever the number of key files.
+(:class:`KeyIndex`): one hash and one dict lookup per request, whatever the number of key files. The
+same lookup says which models the token opens, so that once the body names a model, a model that
+does not exist and one the key does not open are told apart by nothing: both are one set lookup in
+what the key opens, and both are answered 404 ``model_not_found`` (gateway.shared).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import hmac
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from scaler.secretfiles import MAX_SECRET_FILE_BYTES, read_secret_file
 
@@ -102,20 +105,30 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
+_NOTHING: frozenset[str] = frozenset()
+
+
 class KeyIndex:
     """Whether a bearer token is a current key of any of ``key_files``: the union of a shared
-    gateway's keys, checked before a request's body is read. One SHA-256 and one set lookup per
-    check: the set holds digests, never keys, and where a lookup lands depends on the digest alone,
-    so its time says nothing about any key. The files are reread at most every ``refresh_seconds``
-    (a rotated key opens within that; the model's own check after routing rereads its files, so a
-    revoked key never opens a model, and is refused before the body once the index is reread)."""
+    gateway's keys, checked before a request's body is read, and which models it opens. One SHA-256
+    and one dict lookup per check: the dict holds digests, never keys, and where a lookup lands
+    depends on the digest alone, so its time says nothing about any key. The files are reread at
+    most every ``refresh_seconds`` (a rotated key opens within that; the model's own check after
+    routing rereads its files, so a revoked key never opens a model, and is refused before the body
+    once the index is reread).
 
-    def __init__(self, key_files: Iterable[str], *, refresh_seconds: float = KEY_INDEX_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.key_files = tuple(dict.fromkeys(key_files))  # a file shared by several models: read once
+    ``key_files``: paths, or a mapping of each path to the names (models) its key opens; a bare path
+    opens its own name."""
+
+    def __init__(self, key_files: Iterable[str] | Mapping[str, Iterable[str]], *,
+                 refresh_seconds: float = KEY_INDEX_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        owners = key_files if isinstance(key_files, Mapping) else {path: (path,) for path in key_files}
+        # a file shared by several models: read once
+        self.key_files = tuple(dict.fromkeys(owners))
+        self._owners = {path: frozenset(names) for path, names in owners.items()}
         self.refresh_seconds = refresh_seconds
         self._clock = clock
-        self._digests: frozenset[bytes] = frozenset()
+        self._opens: dict[bytes, frozenset[str]] = {}
         self._read_at = -math.inf
 
     def _refresh(self) -> None:
@@ -123,11 +136,23 @@ class KeyIndex:
         if now - self._read_at < self.refresh_seconds:
             return
         self._read_at = now
-        keys = (read_secret_file(path) for path in self.key_files)  # a missing file opens nothing
-        self._digests = frozenset(_digest(key) for key in keys if key is not None)
+        opens: dict[bytes, frozenset[str]] = {}
+        for path in self.key_files:
+            key = read_secret_file(path)  # a missing file opens nothing
+            if key is not None:
+                digest = _digest(key)
+                opens[digest] = opens.get(digest, _NOTHING) | self._owners[path]
+        self._opens = opens
 
     def check(self, authorization_header: bytes | str | None) -> bool:
         """True when the header's bearer token is one of the keys (as of the last reread)."""
+        return bool(self.opens(authorization_header))
+
+    def opens(self, authorization_header: bytes | str | None) -> frozenset[str]:
+        """The names the header's bearer token opens (as of the last reread); none for no token or
+        one that is no key."""
         presented = bearer_token(authorization_header)
         self._refresh()
-        return bool(presented) and _digest(presented) in self._digests
+        if not presented:
+            return _NOTHING
+        return self._opens.get(_digest(presented), _NOTHING)

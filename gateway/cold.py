@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import gevent
+import gevent.event
 
 from gateway.activation import Activation
 from gateway.errors import ERRORS, sse_error_frame
@@ -35,6 +36,7 @@ class WaitOutcome(enum.Enum):
     PENDING = "pending"
     CLIENT_GONE = "client_gone"
     ABORTED = "aborted"  # the drain grace ended: answer now, the process is about to stop
+    REFUSED = "refused"  # a silent hold, and the drain began refusing: answer now, the client retries elsewhere
 
 
 class Retry:
@@ -45,30 +47,34 @@ RETRY = Retry()
 
 
 def wait_ready(activation: Activation, deadline: float, until: float,
-               conn: ClientConnection | None = None) -> WaitOutcome:
-    """Block this greenlet until the backend is ready, the deadline passes, ``until``, or the
-    client hangs up (when its watcher is armed). The connection stays held until READY: between
-    two waits of a keepalive stream (a heartbeat write) a FIN is still a hang-up."""
+               conn: ClientConnection | None = None, refused: gevent.event.Event | None = None) -> WaitOutcome:
+    """Block this greenlet until the backend is ready, the deadline passes, ``until``, the client
+    hangs up (when its watcher is armed), or ``refused`` is set (REFUSED). The connection stays held
+    until READY: between two waits of a keepalive stream (a heartbeat write) a FIN is still a hang-up."""
     if conn is None:
-        return _wait(activation, deadline, until, None)
+        return _wait(activation, deadline, until, None, refused)
     conn.hold(True)
-    outcome = _wait(activation, deadline, until, conn)
+    outcome = _wait(activation, deadline, until, conn, refused)
     if outcome is WaitOutcome.READY:
         conn.hold(False)  # forwarding begins
     return outcome
 
 
-def _wait(activation: Activation, deadline: float, until: float, conn: ClientConnection | None) -> WaitOutcome:
+def _wait(activation: Activation, deadline: float, until: float, conn: ClientConnection | None,
+          refused: gevent.event.Event | None) -> WaitOutcome:
     while True:
         if activation.aborted:
             return WaitOutcome.ABORTED
         # Ready, and a Pod has room for a held request (the cold batch, gateway.backends): else wait
-        # for the one that is missing.
+        # for the one that is missing. A request that can be forwarded now is, even while draining:
+        # it is admitted, and may finish within the grace.
         event = activation.ready_event
         if activation.ready:
             if activation.has_room():
                 return WaitOutcome.READY
             event = activation.room_event
+        if refused is not None and refused.is_set():
+            return WaitOutcome.REFUSED
         if conn is not None and conn.gone:
             return WaitOutcome.CLIENT_GONE
         now = activation.clock()
@@ -76,16 +82,21 @@ def _wait(activation: Activation, deadline: float, until: float, conn: ClientCon
             return WaitOutcome.TIMEOUT
         if now >= until:
             return WaitOutcome.PENDING
-        wake = conn.wake if conn is not None else None
-        if wake is None:
+        events = [e for e in (event, conn.wake if conn is not None else None, refused) if e is not None]
+        if len(events) == 1:
             event.wait(min(deadline, until) - now)
         else:
-            gevent.wait([event, wake], timeout=min(deadline, until) - now, count=1)
+            gevent.wait(events, timeout=min(deadline, until) - now, count=1)
 
 
-def hold_silently(activation: Activation, deadline: float, conn: ClientConnection) -> WaitOutcome:
-    """Non-streamed request: hold without sending anything until ready / timeout / client gone."""
-    return wait_ready(activation, deadline, deadline, conn)
+def hold_silently(activation: Activation, deadline: float, conn: ClientConnection,
+                  refused: gevent.event.Event | None = None) -> WaitOutcome:
+    """Non-streamed request: hold without sending anything until ready / timeout / client gone, or
+    until ``refused`` is set (the drain began refusing: nothing was sent yet, so a retryable 503 now
+    lets the client retry on another gateway at once rather than wait for a backend here until the
+    grace ends). A streamed request's keepalive is not refused: its 200 is committed, it can only end
+    with an error frame, so it keeps waiting within the grace (gateway.drain)."""
+    return wait_ready(activation, deadline, deadline, conn, refused)
 
 
 def keepalive_stream(

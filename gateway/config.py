@@ -17,6 +17,13 @@ from typing import Any
 __all__ = ["GatewayConfig", "ConfigError", "load_config", "build_parser", "parse_field"]
 
 
+# Open public connections one client address may hold per worker, by default. Small: a client's
+# concurrency rarely needs more (browsers use 6, SDK pools reuse a few), and 64 addresses' requests in
+# progress are needed to fill the default pool of 4096. An address at its cap has its own oldest idle
+# connection closed before a new one is refused.
+DEFAULT_CONNECTIONS_PER_ADDRESS = 64
+
+
 class ConfigError(ValueError):
     """Invalid or missing configuration; the message names the variable."""
 
@@ -65,6 +72,10 @@ class GatewayConfig:
     upstream_connect_timeout_seconds: float = 3.0
     upstream_idle_timeout_seconds: float = 600.0
     client_idle_timeout_seconds: float = 120.0
+    # A fresh connection's first byte (of its first request) must come within this (and within the
+    # idle timeout): clients connect to send at once, so one that sends nothing only holds a slot.
+    # Keep-alive connections between requests keep the idle timeout.
+    client_first_byte_timeout_seconds: float = 10.0
     # One request's head, from its first byte: a slowloris does not hold its connection longer.
     client_request_timeout_seconds: float = 60.0
     # The body is cut by its progress, not by a fixed total (gateway.server.UploadPace): a steady
@@ -76,7 +87,10 @@ class GatewayConfig:
     client_body_grace_seconds: float = 10.0
     client_body_timeout_seconds: float = 1800.0
     max_connections: int = 4096
-    # None = half of max_connections (one address never takes the whole pool); 0 = no cap.
+    # None = DEFAULT_CONNECTIONS_PER_ADDRESS, at most an eighth of max_connections; 0 = no cap (every
+    # client behind one ingress, proxy or SNAT address). Idle connections never lock anyone out
+    # whatever this is (a full pool evicts the oldest idle one, gateway.idle): the cap bounds what one
+    # address's requests in progress take of the pool.
     max_connections_per_address: int | None = None
     # The control ports (admin, and the in-process scaler's): kubelet probes come from the node's
     # address and Prometheus from its own, so a few connections per address is all they use, and one
@@ -117,7 +131,7 @@ class GatewayConfig:
     def connections_per_address(self) -> int:
         """The per-address cap in force (0 = none)."""
         if self.max_connections_per_address is None:
-            return max(1, self.max_connections // 2)
+            return max(1, min(DEFAULT_CONNECTIONS_PER_ADDRESS, self.max_connections // 8))
         return self.max_connections_per_address
 
     @property
@@ -300,6 +314,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "upstream_connect_timeout_seconds": _pos_float,
     "upstream_idle_timeout_seconds": _pos_float,
     "client_idle_timeout_seconds": _pos_float,
+    "client_first_byte_timeout_seconds": _pos_float,
     "client_request_timeout_seconds": _pos_float,
     "client_min_rate_bytes": _nonneg_int,
     "client_min_rate_window_seconds": _pos_float,
@@ -346,8 +361,11 @@ _HELP = {
     "max_upload_bytes_per_address": "body bytes still arriving from one client address, per worker "
                                     "(429 upload_bytes_per_address beyond); default: 2 x max body; 0 = no bound",
     "held_body_share_per_model": "shared gateway: share (0-1] of the held-body budget one model may hold",
-    "max_connections_per_address": "open public connections one client address may hold per worker (429 beyond); "
-                                   "default: half of max connections; 0 = no cap (raise it behind a proxy or mesh)",
+    "max_connections_per_address": "open public connections one client address may hold per worker (beyond it its "
+                                   "oldest idle one is closed, else 429); default: 64, at most an eighth of max "
+                                   "connections; 0 = no cap (set it behind an ingress, proxy, mesh or SNAT)",
+    "client_first_byte_timeout_seconds": "a new connection that sends no byte within this is closed (at most "
+                                         "the idle timeout)",
     "control_connections_per_address": "open connections one client address may hold on the admin port and on the "
                                        "in-process scaler port, per worker (closed beyond); 0 = no cap",
     "admin_idle_timeout_seconds": "time an admin-port connection may wait before a request head starts, and a head "

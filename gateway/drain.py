@@ -4,9 +4,14 @@
    delay (``drain_delay_seconds``, inside the grace): Kubernetes removes a terminating Pod from its
    Service's endpoints at once, but kube-proxy and client-side balancers send new connections here
    until they learn it;
-2. then new ``/v1`` requests get a 503 ``gateway_draining`` that closes the connection and that the
-   OpenAI SDKs retry (the request never reached a backend; the retry's connection goes elsewhere);
-   requests already admitted (in flight or waiting) may finish within the drain grace;
+2. then new ``/v1`` requests get a 503 ``gateway_draining`` (``Retry-After: 1``) that closes the
+   connection and that the OpenAI SDKs retry (the request never reached a backend; the retry's
+   connection goes elsewhere). At that moment (``app.start_draining``) the requests held silently for
+   a cold backend get the same 503 and leave: nothing was sent for them, and another gateway can
+   serve their retry now, where here they would wait for a backend until the grace ends. A held
+   streamed request keeps waiting (its 200 is committed: it can end only with an SSE error frame):
+   a backend Ready within the grace serves it, else the grace's end gives it one ``gateway_draining``
+   error frame (``abort_waiters``). Requests in flight may finish within the drain grace;
 3. the worker's demand is withdrawn (its row reads zero) and the ``after_withdraw`` steps run;
 4. the HTTP server stops (closing whatever is left after the grace): the public port on this
    loop, the admin port on the control thread (``gateway.control``) at the same time; probes are

@@ -3,15 +3,23 @@
 Clients written against OpenAI's API read ``error.message`` / ``error.type`` / ``error.code``;
 the same shape is used for plain JSON responses and for the SSE ``event: error`` frame sent on
 a stream that is already committed. Messages are fixed strings chosen here: they never echo
-request data (which could carry a key) back to the client.
+request data (which could carry a key) back to the client, with one exception, as OpenAI's own:
+``model_not_found`` names the model the request asked for (:func:`model_not_found`), at most
+``MAX_NAMED_MODEL`` characters of it, JSON-escaped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
-__all__ = ["GatewayError", "error_body", "sse_error_frame", "backend_failure", "ERRORS", "NO_RETRY"]
+__all__ = ["GatewayError", "error_body", "sse_error_frame", "backend_failure", "model_not_found", "ERRORS",
+           "NO_RETRY", "MAX_NAMED_MODEL"]
+
+# The longest model name an answer repeats: no table holds a longer one (gateway.modeltable's
+# MAX_MODEL_NAME), so a longer "name" is some other text and is not echoed.
+MAX_NAMED_MODEL = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +37,9 @@ ERRORS: dict[str, GatewayError] = {
         401, "invalid_request_error", "invalid_api_key", "Incorrect or missing API key."
     ),
     "not_found": GatewayError(404, "invalid_request_error", "not_found", "Unknown path."),
-    "model_not_found": GatewayError(404, "invalid_request_error", "model_not_found", "The model does not exist."),
+    "model_not_found": GatewayError(
+        404, "invalid_request_error", "model_not_found", "The model does not exist or you do not have access to it."
+    ),
     "uri_too_long": GatewayError(414, "invalid_request_error", "uri_too_long", "Request target too long."),
     "headers_too_large": GatewayError(
         431, "invalid_request_error", "headers_too_large", "Request headers too large or too many."
@@ -110,6 +120,17 @@ def backend_failure(reason: str | None) -> str:
     """The answer's name for a backend that failed: its response refused as malformed (``reason``,
     one of ``gateway.wire.PROTOCOL_ERRORS``) or any other failure (a read failed, it closed)."""
     return "backend_failure" if reason is None else "upstream_protocol_error"
+
+
+def model_not_found(model: str | None) -> GatewayError:
+    """OpenAI's 404 for a model the caller may not use, in its words: "The model `X` does not exist
+    or you do not have access to it." The same words whether the model does not exist or is not the
+    caller's key's, so the answer tells nothing about which models exist. Without a usable name
+    (none asked, or longer than any model name): the same message without it."""
+    error = ERRORS["model_not_found"]
+    if not model or len(model) > MAX_NAMED_MODEL:
+        return error
+    return dataclasses.replace(error, message=f"The model `{model}` does not exist or you do not have access to it.")
 
 
 def error_body(error: GatewayError) -> bytes:

@@ -20,8 +20,10 @@ builds the document. :func:`inspect_json_body`, the gateway's check:
 - escaped lone surrogates (``"\\ud800"``), which msgspec refuses and ``json.loads`` accepts: msgspec
   checks a copy in which they are escapes of other characters (same length, same offsets).
 
-``pause`` runs between 256 KiB (STEP_BYTES) of the UTF-8 and depth checks and before the msgspec
-call, which is the longest block: ~10-30 ms for 8 MiB (``python -m bench.jsonscan_bench``,
+``pause`` runs whenever the checks have used SLICE_SECONDS (2 ms) of the thread's CPU time since the
+last one (gateway.slices: by time, not by bytes, since a byte's cost depends on the body's shape:
+bracketed strings cost ~10x what plain text does), and before the msgspec call, which is the longest
+block: ~2 ns a byte on dense brackets, ~15-20 ms for 8 MiB (``python -m bench.jsonscan_bench``,
 docs/benchmarks.md). Memory: ~130 KiB whatever the body (a copy of it for lone surrogates).
 
 :class:`JSONScanner`, the stepped pure-Python scanner that did the whole check before msgspec, is
@@ -58,6 +60,8 @@ from itertools import accumulate
 from json.decoder import scanstring
 
 import msgspec
+
+from gateway.slices import Slice
 
 __all__ = ["BodyFacts", "InvalidJSON", "JSONScanner", "inspect_json_body", "DEFAULT_MAX_DEPTH",
            "DEFAULT_MAX_MODEL_CHARS", "STEP_BYTES"]
@@ -451,18 +455,20 @@ def inspect_json_body(body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
                       pause: Callable[[], object] | None = None) -> BodyFacts:
     """Check that ``body`` is one JSON object (RFC 8259, UTF-8) nested at most ``max_depth`` deep
     (the top-level object is depth 1), and return its top-level facts. Raises InvalidJSON.
-    ``pause`` is called between steps of about STEP_BYTES of the UTF-8 and depth checks
-    (``gevent.sleep`` on a loop that serves other clients); the grammar check is one C call
-    (msgspec, ~5 ns a byte: ~40 ms for 8 MiB)."""
+    ``pause`` (a yield to the loop that serves other clients) is called whenever the UTF-8 and depth
+    checks have used a slice of CPU time (gateway.slices), and before the grammar check, one C call
+    (msgspec, ~1-3 ns a byte)."""
     body, _ = _opening(body, max_depth)
+    before_c_call = _before_c_call(pause, len(body))
+    if pause is not None:
+        pause = Slice(yielder=pause).check  # by CPU time: what a step costs depends on the body
     _check_utf8(body, pause)  # msgspec does not check UTF-8 in the strings it skips
     end = len(body)
     # Deeper than max_depth needs more openers than that: counting them is a C loop at memory speed.
     if _openers(body) > max_depth:
         deep_at, _ = _depth_scan(body, end, max_depth, pause)
         end = end if deep_at < 0 else deep_at
-    if pause is not None and len(body) > STEP_BYTES:
-        pause()  # the C call below is a block of its own (~2-5 ns a byte)
+    before_c_call()
     try:
         return _facts_of(_decode(body, body, end, max_depth, pause), max_model_chars)
     except InvalidJSON:
@@ -471,16 +477,27 @@ def inspect_json_body(body: Body, *, max_depth: int = DEFAULT_MAX_DEPTH,
     # msgspec refuses escaped lone surrogates ("\\ud800"), json.loads accepts them: msgspec checks a
     # copy where they are escapes of other characters (same length, same offsets; C loops).
     lower = _without_surrogates(body, b"0", b"1", pause)
+    before_c_call()
     parsed = _decode(lower, body, end, max_depth, pause)
     model = parsed.model
     raw = memoryview(b"") if model is msgspec.UNSET else memoryview(model)
     if len(raw) <= 12 * max_model_chars + 2 and b"\\" in bytes(raw):  # longer is never a short string
         # The model's own text: where a second copy differs, the body had d or D.
-        other = _decode(_without_surrogates(body, b"2", b"3", pause), body, end, max_depth, pause).model
+        other_copy = _without_surrogates(body, b"2", b"3", pause)
+        before_c_call()
+        other = _decode(other_copy, body, end, max_depth, pause).model
         restored = bytes(a if a == b else (0x64 if a == 0x30 else 0x44)
                          for a, b in zip(raw, memoryview(other), strict=True))
         parsed = _Facts(model=msgspec.Raw(restored), stream=parsed.stream)
     return _facts_of(parsed, max_model_chars)
+
+
+def _before_c_call(pause: Callable[[], object] | None, size: int) -> Callable[[], object]:
+    """What runs before each msgspec call: a yield for a large body (the call is a block of its own,
+    ~1-3 ns a byte, whatever the current slice has left), nothing for a small one."""
+    if pause is None or size <= STEP_BYTES:
+        return lambda: None
+    return pause
 
 
 def _decode(body: Body, original: Body, end: int, max_depth: int, pause: Callable[[], object] | None) -> _Facts:
@@ -512,8 +529,8 @@ def _without_surrogates(body: Body, lower: bytes, upper: bytes, pause: Callable[
             cut = cut - 3 + back if back >= 0 else cut
         piece = _SURROGATE_LOWER.sub(b"\\\\u" + lower, bytes(body[p:cut]))
         out += _SURROGATE_UPPER.sub(b"\\\\u" + upper, piece)
-        if pause is not None and p // STEP_BYTES != cut // STEP_BYTES:
-            pause()  # then msgspec's call, on the copy
+        if pause is not None:
+            pause()  # a slice's check: then msgspec's call, on the copy
         p = cut
     return out  # msgspec reads any buffer: no second copy
 
@@ -561,11 +578,10 @@ def _depth_scan(body: Body, end: int, max_depth: int, pause: Callable[[], object
     (itertools.accumulate over small ints: nothing allocated) - all C loops. Exact wherever the body
     is valid JSON so far; past an error it may be wrong, but msgspec reports that error, which comes
     first."""
-    p, depth, since_pause = 0, 0, 0
+    p, depth = 0, 0
     while p < end:
-        if since_pause >= STEP_BYTES and pause is not None:
-            pause()
-            since_pause = 0
+        if pause is not None:
+            pause()  # a slice's check: a chunk costs 0.01-0.5 ms, by how many strings it holds
         limit = min(end, p + _DEPTH_CHUNK)
         # Strings without brackets can stay (translate drops them); re.sub (a piece per string) only
         # from the first string with a bracket in it.
@@ -575,7 +591,6 @@ def _depth_scan(body: Body, end: int, max_depth: int, pause: Callable[[], object
             string = _STRING_ANY.match(body, p, end)
             if string is None:
                 return -1, depth
-            since_pause += string.end() - p
             p = string.end()
             continue
         chunk = bytes(body[p:plain])
@@ -585,7 +600,6 @@ def _depth_scan(body: Body, end: int, max_depth: int, pause: Callable[[], object
         if steps and max(accumulate(memoryview(steps).cast("b"), initial=depth)) > max_depth:
             return _nth_deep_opener(body, p, depth, max_depth), depth
         depth += steps.count(1) - steps.count(255)
-        since_pause += cut - p
         p = cut
     return -1, depth
 
@@ -612,10 +626,9 @@ def _loose_too_deep(body: Body, at: int, max_depth: int, pause: Callable[[], obj
     if last < 0:
         return -1
     start = window + last
-    run_end = _LOOSE_OPENERS.match(body, start).end()
+    run, run_end = _loose_run(body, start, at, max_depth)
     if run_end <= at:  # the error is not inside the run
         return -1
-    run = len(_closers_of(bytes(body[start:run_end])))
     if run < max_depth:  # the run alone is not too deep: the depth before it decides
         _, depth = _depth_scan(body, start, max_depth, pause)
     else:
@@ -628,18 +641,31 @@ def _loose_too_deep(body: Body, at: int, max_depth: int, pause: Callable[[], obj
     return p
 
 
+def _loose_run(body: Body, start: int, at: int, max_depth: int) -> tuple[int, int]:
+    """How many openers the loose run from ``start`` has (counted up to max_depth + 1: past that the
+    answer is the same) and where it ends (once past ``at``, it need not be followed further).
+    One match of the whole run was one C call as long as the body (~0.4 s for 8 MiB of
+    ``["a":``): the run is followed an opener at a time, at most the openers up to ``at`` (within a
+    slice of it) and max_depth + 1."""
+    p, run = start, 0
+    while run <= max_depth or p <= at:
+        opener = _ONE_OPENER.match(body, p)
+        if opener is None:
+            break
+        p, run = opener.end(), run + 1
+    return run, p
+
+
 def _check_utf8(body: Body, pause: Callable[[], object] | None) -> None:
     # In pieces: the decoded text is never large. Decoding ASCII runs at memory speed.
     # surrogatepass: like json.loads, which decodes bytes so.
     decoder = codecs.getincrementaldecoder("utf-8")("surrogatepass")
-    view, since_pause = memoryview(body), 0
+    view = memoryview(body)
     try:
         for offset in range(0, len(body), _UTF8_PIECE):
-            if since_pause >= STEP_BYTES and pause is not None:
-                pause()
-                since_pause = 0
+            if pause is not None:
+                pause()  # a slice's check (a piece is ~0.1 ms)
             decoder.decode(view[offset:offset + _UTF8_PIECE], False)
-            since_pause += _UTF8_PIECE
         decoder.decode(b"", True)
     except UnicodeDecodeError:
         raise InvalidJSON("body is not valid UTF-8", "utf8") from None

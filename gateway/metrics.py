@@ -203,7 +203,9 @@ class RenderedOnce:
         finally:
             self._pending = None
         self.renders += 1
-        costly = time.thread_time() - started >= self.costly
+        # The first render also imports the exposition code (tens of ms, once): only later renders
+        # tell what a scrape costs, so the first is never kept (a one-model gateway stays fresh).
+        costly = self.renders > 1 and time.thread_time() - started >= self.costly
         self._body, self._at = (body, self._clock()) if costly else (None, 0.0)
         pending.set(body)
         return body

@@ -12,6 +12,11 @@ Refused (:class:`InvalidMultipart`): no usable boundary in the Content-Type, no 
 a part without a blank line after its headers or without a closing delimiter, more than
 ``MAX_PARTS`` parts, a ``model`` field given twice (the backend would pick one, the gateway another). A ``model`` field longer than
 ``max_value`` is :class:`ModelFieldTooLong`: no table lists such a name, and it is not copied.
+
+No pause inside: with at most ``MAX_PARTS`` parts the lookup is 64 bounded header searches and
+``bytes.find`` calls (C, memory speed) over a body of at most 8 MiB, a few ms of CPU at worst
+(64 parts full of near-delimiters: ~4 ms, tests/gateway/test_slices.py), within the loop's slice
+bound; a yield per part would only add switches.
 """
 
 from __future__ import annotations

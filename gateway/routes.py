@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import gevent
+import gevent.event
 from gevent.hub import Waiter
 
 from gateway import cold
@@ -37,7 +38,15 @@ from gateway.auth import KeyFileAuthenticator
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.endpointslices import EndpointFeed
-from gateway.errors import ERRORS, NO_RETRY, GatewayError, backend_failure, error_body, sse_error_frame
+from gateway.errors import (
+    ERRORS,
+    NO_RETRY,
+    GatewayError,
+    backend_failure,
+    error_body,
+    model_not_found,
+    sse_error_frame,
+)
 from gateway.forward import ClientRelay
 from gateway.metrics import REJECTION_REASONS, GatewayMetrics
 from gateway.policy import InvalidJSON, inspect_cold_body, route
@@ -66,6 +75,11 @@ from gateway.wire import LAST_CHUNK, BadRequest, RequestHead, ResponseHead, chun
 __all__ = ["GatewayApp", "RequestBody"]
 
 log = logging.getLogger("noctaya.gateway")
+
+# A draining gateway's 503 (new requests, held ones when the drain starts refusing, held ones at the
+# grace's end): the retry goes on a new connection, which by then reaches another gateway (the Pod
+# left its Service during the drain delay), so it need not wait; the openai SDKs honour Retry-After.
+DRAIN_RETRY_AFTER = [(b"Retry-After", b"1")]
 
 _SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache"),
                 (b"X-Accel-Buffering", b"no")]
@@ -153,12 +167,17 @@ class RequestBody:
 
 
 def answer_error(conn: ClientConnection, metrics: GatewayMetrics, name: str,
-                 extra: list[tuple[bytes, bytes]] | None = None, *, close: bool = False) -> bool:
-    """Answer an OpenAI-style error; returns whether the connection may continue."""
-    error: GatewayError = ERRORS[name]
+                 extra: list[tuple[bytes, bytes]] | None = None, *, close: bool = False,
+                 error: GatewayError | None = None) -> bool:
+    """Answer an OpenAI-style error (``error``: ``name``'s with its own message, e.g. naming the
+    model); returns whether the connection may continue."""
+    if error is None:
+        error = ERRORS[name]
     if name in REJECTION_REASONS:
         metrics.reject(name)
     headers = list(extra or [])
+    if name == "draining" and not extra:
+        headers += DRAIN_RETRY_AFTER
     if name in NO_RETRY:
         headers.append((b"x-should-retry", b"false"))
     # A request whose body was not read cannot be followed on the same connection.
@@ -262,6 +281,8 @@ class GatewayApp(AnswersHere):
         )
         self.auth = KeyFileAuthenticator(config.key_files) if config.key_files else None
         self.draining = False
+        # Set when the drain starts refusing: requests held silently for a cold backend answer then.
+        self._refusing = gevent.event.Event()
         self._base = config.backend_base_path.encode("latin-1")
         self._host = config.backend_netloc.encode("latin-1")
         self._model = config.served_model_name
@@ -309,6 +330,14 @@ class GatewayApp(AnswersHere):
         self.config = dataclasses.replace(self.config, served_model_name=new_name)
         self._model = new_name
         self._models_body = json.dumps({"object": "list", "data": [self._model_object()]}).encode()
+
+    def start_draining(self) -> None:
+        """New API requests are refused, and so are the requests held silently for a cold backend
+        (their retryable 503 now: they would otherwise wait here until the grace ends, for a backend
+        this gateway will not serve them from). Held streamed requests keep waiting within the
+        grace: their 200 is committed (gateway.cold.hold_silently)."""
+        super().start_draining()
+        self._refusing.set()
 
     def abort_waiters(self) -> None:
         self.activation.abort_waiters()
@@ -392,7 +421,7 @@ class GatewayApp(AnswersHere):
             return self._ok(conn, self._models_body)
         if model_id == self._model:
             return self._ok(conn, json.dumps(self._model_object()).encode())
-        return self._error(conn, "model_not_found")
+        return answer_error(conn, self.metrics, "model_not_found", error=model_not_found(model_id))
 
     # -- a request for the backend -------------------------------------------------------------------
     def _forward_request(self, conn: ClientConnection, head: RequestHead) -> bool:
@@ -586,10 +615,10 @@ class GatewayApp(AnswersHere):
     def _hold(self, conn: ClientConnection, head: RequestHead, body: RequestBody, ticket: Ticket,
               deadline: float) -> bool:
         while True:
-            outcome = cold.hold_silently(self.activation, deadline, conn)
+            outcome = cold.hold_silently(self.activation, deadline, conn, self._refusing)
             if outcome is cold.WaitOutcome.TIMEOUT:
                 return self._error(conn, "activation_timeout")
-            if outcome is cold.WaitOutcome.ABORTED:
+            if outcome in (cold.WaitOutcome.ABORTED, cold.WaitOutcome.REFUSED):
                 return self._error(conn, "draining", close=True)
             if outcome is cold.WaitOutcome.CLIENT_GONE:
                 self.metrics.count_response(499)

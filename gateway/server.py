@@ -32,8 +32,10 @@ import gevent.socket
 from gevent.server import StreamServer
 
 from gateway.errors import ERRORS, error_body
+from gateway.idle import IdleConnections
 from gateway.relay import INF, READ_CHUNK, ReadWaiter, UpstreamConnection, recv_waiting, send_all
-from gateway.state.uploads import UploadReservation
+from gateway.slices import Slice
+from gateway.state.uploads import UploadRefused, UploadReservation
 from gateway.timing import RequestTiming
 from gateway.wire import BadRequest, ClientParser, RequestHead, response_head
 
@@ -70,11 +72,11 @@ log = logging.getLogger("noctaya.gateway")
 
 WATCHDOG_SECONDS = 0.25
 LAZY_WATCH_SECONDS = 0.25
-# A body arriving at line rate never makes recv wait, so without a yield its whole read (8 MiB:
-# ~10-20 ms of recv, parsing and copying on a busy worker) held the loop: other clients' warm
-# requests, probes and KEDA's calls waited behind every large upload (tests/gateway/test_loop_starvation.py).
-BODY_YIELD_BYTES = 256 * 1024
 ADMIN_MAX_CONNECTIONS = 64  # concurrent connections on the admin port (scrapes, operators), per worker
+# Greenlets beyond the public pool: a connection that arrives when the pool is full runs in one of
+# these just long enough to evict an idle connection (whose greenlet ends on the next loop turn) or
+# to be refused 429. Beyond them gevent stops accepting until one ends (the kernel's backlog waits).
+ADMISSION_SLACK = 64
 JSON = b"application/json"
 MAX_REQUEST_ID = 128
 _PEEK = std_socket.MSG_PEEK | std_socket.MSG_DONTWAIT
@@ -146,11 +148,12 @@ class ClientConnection:
     __slots__ = ("sock", "raw", "peer", "peer_bytes", "parser", "deadline", "idle_timeout", "request_timeout",
                  "request_deadline", "timed_out", "clock", "pace", "body_cap", "progress", "waiting_since",
                  "upstream", "backend_pod", "wire", "watching", "polled", "gone", "held", "wake", "message_done", "request_id", "keep_alive", "version", "reader", "admin", "timing",
-                 "__weakref__")
+                 "first_byte_deadline", "idle_set", "idle", "preempted", "__weakref__")
 
     def __init__(self, sock: gevent.socket.socket, peer: str, idle_timeout: float,
                  clock: Callable[[], float], admin: bool = False, request_timeout: float = INF,
-                 pace: UploadPace | None = None) -> None:
+                 pace: UploadPace | None = None, first_byte_timeout: float = INF,
+                 idle_set: IdleConnections | None = None) -> None:
         self.sock = sock
         self.admin = admin  # accepted on the admin port: /metrics and /noctaya/queue, never /v1
         self.raw: std_socket.socket = sock._sock
@@ -182,13 +185,20 @@ class ClientConnection:
         self.version = "1.1"
         self.timing = RequestTiming()  # the current request's (restarted per request)
         self.reader = ReadWaiter(self.raw.fileno(), on_idle=self._on_idle_readable)
+        # A fresh connection has this long (never more than the idle timeout) for its first byte: a
+        # client opens a connection to send on it, and one that sends nothing only holds a slot.
+        self.first_byte_deadline = clock() + min(first_byte_timeout, idle_timeout)
+        self.idle_set = idle_set  # the public pool's idle connections (evicted oldest first when full)
+        self.idle = False  # listed in ``idle_set``: waiting for a request's first byte
+        self.preempted = False  # the upload budget cut this request's body for a fairer share
 
     # -- reading -------------------------------------------------------------------------------
     def _next_event(self) -> tuple[str, Any] | None:
         events = self.parser.events
         while not events:
             now = self.clock()
-            self.deadline = min(now + self.idle_timeout, self.request_deadline)
+            idle_until = now + self.idle_timeout if self.wire else self.first_byte_deadline
+            self.deadline = min(idle_until, self.request_deadline)
             try:
                 # Between requests the next one is not there yet (the answer just left): wait first.
                 data = recv_waiting(self.sock, self.reader) if self.message_done else self.sock.recv(READ_CHUNK)
@@ -196,8 +206,12 @@ class ClientConnection:
                 data = b""
             finally:
                 self.deadline = INF
+            if self.idle:
+                self._busy()
             if self.timed_out:
                 raise RequestTimedOut(slow=self.body_cap != INF)
+            if self.preempted:
+                raise UploadRefused(per_address=False)
             if not data:
                 return None
             self.wire += len(data)
@@ -234,6 +248,9 @@ class ClientConnection:
     def read_head(self) -> RequestHead | None:
         """The next request's head, or None when the client closed between requests. Raises
         BadRequest, or RequestTimedOut when the head did not arrive in time."""
+        if self.idle_set is not None and not self.parser.events and not self.parser.in_message:
+            self.idle = True  # nothing of the next request yet: the pool may evict this connection
+            self.idle_set.add(self)
         event = self._next_event()
         if event is None:
             return None
@@ -284,19 +301,57 @@ class ClientConnection:
             self._message_read()
             return piece
         parts = []
-        unyielded = 0
         wire = self.wire
+        uploads.on_preempt = self._preempt
+        # A body arriving at line rate never makes recv wait (gevent's recv does not switch while
+        # input is queued), so the read must yield by itself. By CPU time, not by bytes: a body of
+        # 2-byte chunks costs ~100x more parsing per byte than one of 64 KiB reads, so a byte count
+        # held the loop for ~0.1 s per 256 KiB of tiny chunks (tests/gateway/test_slices.py).
+        work = Slice()
         for piece in self.body_pieces(limit):
             # What the client sent for it, framing included (2-byte chunks are 7 bytes a chunk on the
             # wire): the upload bounds count work and memory, not only the body's own bytes.
             uploads.take(max(len(piece), self.wire - wire))
             wire = self.wire
             parts.append(piece)
-            unyielded += len(piece)
-            if unyielded >= BODY_YIELD_BYTES:
-                unyielded = 0
-                gevent.sleep(0)  # the others' ready sockets are served before the next piece
+            work.check()  # the others' ready sockets are served before the next piece
         return b"".join(parts)
+
+    def _busy(self) -> None:
+        self.idle = False
+        if self.idle_set is not None:
+            self.idle_set.discard(self)
+
+    def evict(self) -> bool:
+        """The pool is full (or this address at its cap) and this connection waits longest for a
+        request: close it silently, as its idle timeout would have. Not when bytes of its next
+        request are already in (the read simply has not run yet): they are a request in progress."""
+        try:
+            if self.raw.recv(1, _PEEK):
+                return False
+        except BlockingIOError:
+            pass
+        except OSError:
+            pass  # reset: it goes either way
+        self.gone = True
+        try:
+            self.raw.shutdown(std_socket.SHUT_RDWR)  # ends the wait in read_head: it returns None
+        except OSError:
+            pass
+        return True
+
+    def _preempt(self) -> bool:
+        """The upload budget gives this body's bytes to an address under its fair share: end the read
+        (the client gets 429 upload_bytes_full). False once the body is read whole (it is being
+        forwarded: not cut). Called from another greenlet's read: no switch here."""
+        if self.message_done:
+            return False
+        self.preempted = True
+        try:
+            self.raw.shutdown(std_socket.SHUT_RD)
+        except OSError:
+            pass
+        return True
 
     def _message_read(self) -> None:
         self.message_done = True
@@ -444,6 +499,7 @@ class ClientConnection:
             pass
 
     def close(self) -> None:
+        self._busy()
         self.disarm_watch()
         self.reader.close()
         self.sock.close()
@@ -569,6 +625,7 @@ class ConnectionWatch:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.connections: set[ClientConnection] = set()
+        self.first_byte_timeouts = 0  # fresh public connections closed for sending nothing in time
         # Set when a connection arrives: the watchdog parks while there is none (no idle wake-ups).
         self._arrived = gevent.event.Event()
         # Set when the last one leaves: cuts the watchdog's tick short, so a connection that comes and
@@ -617,6 +674,8 @@ class ConnectionWatch:
         lazy = now - LAZY_WATCH_SECONDS
         for conn in self.connections:
             if conn.deadline < now:
+                if not conn.wire and not conn.admin and not conn.gone:
+                    self.first_byte_timeouts += 1  # nothing sent since it connected
                 conn.expire()
             upstream = conn.upstream
             if upstream is not None and upstream.deadline < now:
@@ -626,6 +685,45 @@ class ConnectionWatch:
             since = conn.waiting_since
             if since is not None and since < lazy and not conn.watching and not conn.gone:
                 conn.arm_watch()
+
+
+class PublicAdmission:
+    """Where a new public connection may go: at most ``max_connections`` in all and ``cap`` from one
+    client address (0 = no cap, e.g. behind a proxy), so one address's busy connections can never
+    take the whole pool. Where there is no place, the oldest idle connection (of that address, at its
+    cap; of anyone, when the pool is full) is evicted to make one (gateway.idle): idle connections,
+    from however few addresses, never lock anyone out. Only a pool full of requests in progress
+    refuses (429). One hub (the worker's loop)."""
+
+    def __init__(self, max_connections: int, cap: int) -> None:
+        self.max_connections = max_connections
+        self.cap = cap
+        self.per_address: dict[str, int] = {}  # open public connections by client address (bounded by the pool)
+        self.public = 0  # open public connections (admitted, not yet left or evicted)
+        self.idle = IdleConnections()
+
+    def admit(self, peer: str) -> bool:
+        count = self.per_address.get(peer, 0)
+        # An evicted connection still counts until its greenlet ends (the next loop turn): the
+        # transient excess is bounded by the evictions in flight, within ADMISSION_SLACK.
+        evicted = 0
+        if self.cap and count >= self.cap:
+            if not self.idle.evict_oldest(peer):
+                return False
+            evicted = 1  # that place is in the pool too
+        if self.public - evicted >= self.max_connections and not self.idle.evict_oldest():
+            return False
+        self.per_address[peer] = count + 1
+        self.public += 1
+        return True
+
+    def leave(self, peer: str) -> None:
+        self.public -= 1
+        left = self.per_address.get(peer, 0) - 1
+        if left > 0:
+            self.per_address[peer] = left
+        else:
+            self.per_address.pop(peer, None)
 
 
 class GatewayServer:
@@ -643,10 +741,12 @@ class GatewayServer:
         config = app.config
         self.pace = UploadPace(config.client_min_rate_bytes, config.client_min_rate_window_seconds,
                                config.client_body_grace_seconds, config.client_body_timeout_seconds)
-        self.addresses = AddressCounts(config.connections_per_address)
+        self.first_byte_timeout = config.client_first_byte_timeout_seconds
+        self.admission = PublicAdmission(max_connections, config.connections_per_address)
+        self.idle = self.admission.idle
         self.watch = ConnectionWatch(clock)
         self.connections = self.watch.connections  # the public port's open connections
-        self.server = StreamServer(listener, self._handle, spawn=gevent.pool.Pool(max_connections))
+        self.server = StreamServer(listener, self._handle, spawn=gevent.pool.Pool(max_connections + ADMISSION_SLACK))
         self._admin_listener = admin_listener
         self.control = control
         self._owns_control = False
@@ -660,6 +760,10 @@ class GatewayServer:
     @property
     def admin_port(self) -> int | None:
         return None if self._admin_listener is None else self._admin_listener.getsockname()[1]
+
+    @property
+    def first_byte_timeouts(self) -> int:
+        return self.watch.first_byte_timeouts
 
     def start(self) -> None:
         self.server.start()
@@ -689,9 +793,7 @@ class GatewayServer:
 
     def _handle(self, sock: gevent.socket.socket, address: Any) -> None:
         peer = peer_of(address)
-        if not self.addresses.admit(peer):
-            # One client address holds at most ``connections_per_address`` public connections of this
-            # worker, so it can never take the whole pool from everybody else.
+        if not self.admission.admit(peer):
             refuse(self.app, sock)
             return
         try:
@@ -699,7 +801,8 @@ class GatewayServer:
                 sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, False, self.request_timeout, self.pace)
+            conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, False, self.request_timeout, self.pace,
+                                    self.first_byte_timeout, self.idle)
             self.watch.serve(self.app, conn)
         finally:
-            self.addresses.leave(peer)
+            self.admission.leave(peer)

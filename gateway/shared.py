@@ -2,9 +2,11 @@
 
 Routing by the body's top-level ``model`` (bounded scan, gateway.jsonscan); ``GET /v1/models``
 listing the models whether cold or warm (answered here: listing wakes nothing), only those the
-caller's key opens; 404 ``model_not_found`` for a model not in the table while no model has keys
-(with keys: 401, exactly as for a model the caller's key does not open; on ``/v1/models/<id>`` both
-are 404); one Pod-wide held-body budget; per model everything the per-model gateway has (its own
+caller's key opens; OpenAI's 404 ``model_not_found`` ("The model `X` does not exist or you do not
+have access to it.") for a model not in the table and, to a caller with a valid key (a key of some
+model), for a keyed model its key does not open: the same answer, decided by the same lookup (see
+:meth:`SharedGatewayApp._refusal`); 401 for a keyed or unknown model without a valid key; one
+Pod-wide held-body budget; per model everything the per-model gateway has (its own
 ``GatewayApp``: admission and ``maxQueue``, activation lease, readiness prober, cold modes, upstream
 pool); API keys per model (``authKeyFile`` or ``authKeyFiles``: a model's keys open that model
 only; while every model has keys, a token that is no key of any model is refused before its body is
@@ -30,9 +32,10 @@ from urllib.parse import unquote
 import gevent
 
 from gateway import metrics as metrics_module
-from gateway.auth import KeyIndex, bearer_token
+from gateway.auth import KeyIndex
 from gateway.config import GatewayConfig
 from gateway.endpointslices import EndpointFeed
+from gateway.errors import model_not_found
 from gateway.filewatch import DirectoryWatch, watch_directory
 from gateway.jsonscan import InvalidJSON, inspect_json_body
 from gateway.metrics import GatewayMetrics, RenderedOnce
@@ -113,7 +116,8 @@ class SharedGatewayApp(AnswersHere):
         if demand is not None:
             demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
-        self._keys = self._key_index()
+        self._index = self._key_index()
+        self._open = self._open_models()
         self._retry_429 = [(b"Retry-After", b"%d" % config.queue_full_retry_after_seconds)]
         # Apps of models removed or changed by a new table: they finish what they admitted, then close.
         self._retiring: list[GatewayApp] = []
@@ -138,31 +142,57 @@ class SharedGatewayApp(AnswersHere):
         return json.dumps({"object": "list", "data": [_model_object(n) for n in self.apps]}).encode()
 
     def _key_index(self) -> KeyIndex | None:
+        """Every keyed model's key files, each mapped to the models it opens: which models a token
+        opens is one lookup (None: no model has keys)."""
+        owners: dict[str, list[str]] = {}
+        for name, app in self.apps.items():
+            if app.auth is not None:
+                for path in app.config.key_files:
+                    owners.setdefault(path, []).append(name)
+        return KeyIndex(owners) if owners else None
+
+    def _open_models(self) -> frozenset[str]:
+        return frozenset(name for name, app in self.apps.items() if app.auth is None)
+
+    @property
+    def _keys(self) -> KeyIndex | None:
         """The key check before the body names its model: none while some model takes requests
         without a key (any caller may be one of its); else the token must be a key of some model
         (which model's, is checked once the body names it)."""
-        if not self._all_keyed:
-            return None
-        return KeyIndex(path for app in self.apps.values() for path in app.config.key_files)
-
-    @property
-    def _refused(self) -> str:
-        """The answer for a model the caller may not use: with keys in the table, an unknown model
-        gets the same 401 as a model the key does not open, so no key tells which models exist."""
-        return "unauthorized" if any(app.auth is not None for app in self.apps.values()) else "model_not_found"
+        return self._index if self._all_keyed else None
 
     @property
     def _all_keyed(self) -> bool:
         return bool(self.apps) and all(app.auth is not None for app in self.apps.values())
 
+    def _opens(self, authorization: bytes | None) -> frozenset[str]:
+        """The keyed models the caller's bearer token opens (as of the index's last reread)."""
+        return frozenset() if self._index is None else self._index.opens(authorization)
+
     def _visible(self, authorization: bytes | None) -> list[str]:
-        """The models this caller may see: those without keys, and those its bearer key opens.
-        Each key file is read once per request, however many models share it (up to 256 models of
-        16 files: a listing's cost is bounded by the table, and it is a rare call)."""
-        presented = bearer_token(authorization)
-        read: dict[str, bytes | None] = {}
-        return [name for name, app in self.apps.items()
-                if app.auth is None or (presented is not None and app.auth.opens(presented, read))]
+        """The models this caller may see: those without keys, and those its bearer key opens (one
+        lookup in the key index, whatever the number of models and files)."""
+        opened = self._opens(authorization)
+        return [name for name, app in self.apps.items() if app.auth is None or name in opened]
+
+    def _refusal(self, model: str, authorization: bytes | None) -> str | None:
+        """Why the caller may not use ``model`` (None: it may). A model not in the table and a keyed
+        model the caller's key does not open take the same steps, whatever the table holds: one dict
+        lookup for the model's app, one set lookup in what the key opens (the key index: no file is
+        read for either), so neither the answer nor its time tells which models exist. A token that
+        opens some model is a valid key: the answer is 404 ``model_not_found``, as OpenAI's; a token
+        that opens nothing (or none) is 401, for an unknown model as for a keyed one. Only a model
+        the index says the key opens has its own files reread (a key revoked since the index's last
+        reread: 401)."""
+        opened = self._opens(authorization)
+        if model in self._open:  # a model without keys: any caller
+            return None
+        if model in opened:
+            auth = self.apps[model].auth  # the index is built from the table's apps
+            return None if auth is not None and auth.check(authorization) else "unauthorized"
+        if opened or self._index is None:  # a valid key, or a table without keys
+            return "model_not_found"
+        return "unauthorized"
 
     # -- membership ----------------------------------------------------------------------------------
     def apply(self, table: ModelTable) -> TableChange:
@@ -187,7 +217,8 @@ class SharedGatewayApp(AnswersHere):
         if self.demand is not None:
             self.demand.set_scaled_objects(dict(table.scaled_objects))
         self._listing = self._list()
-        self._keys = self._key_index()
+        self._index = self._key_index()
+        self._open = self._open_models()
         # Shares of models no longer served go (their reservations keep what they hold): the dict stays
         # bounded by the table however many names came and went.
         self._shares = {name: share for name, share in self._shares.items() if name in table.models}
@@ -375,7 +406,7 @@ class SharedGatewayApp(AnswersHere):
             return self._ok(conn, json.dumps({"object": "list", "data": [_model_object(n) for n in visible]}).encode())
         if model_id in visible:
             return self._ok(conn, json.dumps(_model_object(model_id)).encode())
-        return answer_error(conn, self.metrics, "model_not_found")
+        return answer_error(conn, self.metrics, "model_not_found", error=model_not_found(model_id))
 
     def _forward(self, conn: ClientConnection, head: RequestHead) -> bool:
         """Read the whole body against the upload bounds, find its model, hand it to that model's app
@@ -395,9 +426,11 @@ class SharedGatewayApp(AnswersHere):
                 model = self._model_of(head, data)
             if model is None:
                 return answer_error(conn, self.metrics, "invalid_json")
-            app = self.apps.get(model)
-            if app is None or (app.auth is not None and not app.auth.check(head.authorization)):
-                return answer_error(conn, self.metrics, self._refused)  # unknown, or not this key's
+            refusal = self._refusal(model, head.authorization)
+            if refusal is not None:  # unknown, or not this key's: the same answer
+                return answer_error(conn, self.metrics, refusal, error=model_not_found(model)
+                                    if refusal == "model_not_found" else None)
+            app = self.apps[model]
             if len(data) > app.config.max_body_bytes:
                 return answer_error(conn, self.metrics, "too_large")
             reservation = self._share(model).reservation()

@@ -456,10 +456,12 @@ class Endpoint(ApiModel):
         default=None,
         ge=0,
         description="Open client connections one source address may hold on each gateway worker process; "
-        "beyond it a new connection gets 429 too_many_connections and is closed. Unset: half of the worker's "
-        "connection pool (2048 of 4096), so one address cannot take them all; 0: no cap. Behind an ingress "
-        "controller, a mesh sidecar or source NAT (e.g. a LoadBalancer Service with externalTrafficPolicy "
-        "Cluster) many or all clients reach the gateway from one address: raise it there, or set 0. " + _SHARED,
+        "beyond it that address's oldest idle connection is closed to make room, or, when none is idle, the new "
+        "connection gets 429 too_many_connections and is closed. Unset: 64 (at most an eighth of the worker's "
+        "pool of 4096); 0: no cap. Idle connections never lock anyone out (a full pool closes its oldest idle "
+        "one). Behind an ingress controller, a mesh sidecar or source NAT (e.g. a LoadBalancer Service with "
+        "externalTrafficPolicy Cluster) many or all clients reach the gateway from one address: set 0 there, or "
+        "a number above what that hop opens. " + _SHARED,
     )
     request_timeout_seconds: int | None = Field(
         default=None,

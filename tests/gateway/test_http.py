@@ -273,22 +273,32 @@ def test_body_limit_holds_exactly_at_the_limit(backend, make_gateway) -> None:
 def test_max_connections_holds_exactly_at_the_limit(backend, make_gateway) -> None:
     backend.start()
     gw = make_gateway(backend, max_connections=3, max_connections_per_address=0)  # the pool alone
+    healthz = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
     open_socks = []
     for _ in range(3):  # three kept-alive connections: every one is served
         sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(healthz)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         open_socks.append(sock)
-    fourth = socket.create_connection(("127.0.0.1", gw.port), timeout=10)  # the kernel still accepts it...
-    fourth.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-    fourth.settimeout(0.5)
-    with pytest.raises(TimeoutError):
-        fourth.recv(65536)  # ...but the gateway does not serve a fourth connection
-    open_socks.pop().close()  # one slot frees: the waiting connection is served
-    fourth.settimeout(10)
+    # A fourth while all three are idle: the oldest idle one is closed to make room (gateway.idle).
+    fourth = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+    fourth.sendall(healthz)
     assert fourth.recv(65536).startswith(b"HTTP/1.1 200")
-    for sock in [*open_socks, fourth]:
+    assert open_socks[0].recv(65536) == b""  # evicted, silently
+    assert gw.call(lambda: gw.server.idle.evicted) == 1
+    open_socks[0].close()
+    busy = [*open_socks[1:], fourth]
+    for sock in busy:  # three requests in progress: nothing is idle, the pool is full
+        sock.sendall(healthz[:10])
+    fifth = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+    refused = fifth.recv(65536)  # answered at once, unread (nothing sent: no reset can race the answer)
+    assert refused.startswith(b"HTTP/1.1 429") and b"too_many_connections" in refused
+    fifth.close()
+    for sock in busy:  # the requests in progress were never touched
+        sock.sendall(healthz[10:])
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         sock.close()
+    assert gw.call(lambda: gw.server.idle.evicted) == 1
 
 
 def test_metrics_and_queue_are_served_on_the_admin_port_only(backend, make_gateway) -> None:

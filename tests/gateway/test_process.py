@@ -418,8 +418,9 @@ def test_scaler_child_never_outlives_a_killed_gateway(backend) -> None:
 
 
 def test_cold_waiters_get_a_bounded_error_when_the_drain_grace_ends(backend) -> None:
-    """Backend never started: after SIGTERM and the drain grace, a held request gets 503 JSON and
-    an open keepalive stream gets an SSE error event the openai client raises, never a cut connection."""
+    """Backend never started: after SIGTERM, a held request gets 503 JSON once the drain refuses (at
+    the drain delay), and an open keepalive stream, after the drain grace, an SSE error event the
+    openai client raises: never a cut connection."""
     import openai
 
     gw = GatewayProcess(backend, NOCTAYA_DRAIN_GRACE_SECONDS="1.5", NOCTAYA_HEARTBEAT_SECONDS="0.5")

@@ -147,17 +147,23 @@ def gateways() -> Iterator[Callable[..., ThreadedGateway]]:
 def test_upload_budget_at_its_bounds() -> None:
     budget = UploadBudget(max_bytes=30, max_bytes_per_address=16)
     a, b = budget.reservation("127.0.0.2"), budget.reservation("127.0.0.3")
+    a.on_preempt = lambda: True  # its reader: still reading, so it may be cut
     a.take(16)  # exactly the address's bound
     with pytest.raises(UploadRefused) as refused:
         a.take(1)
     assert refused.value.per_address and budget.bytes == 16
     b.take(14)  # exactly the worker's bound
+    b.take(1)  # within its fair share (30 / 2): the full budget preempts a's upload, over its share
+    assert a.preempted and budget.bytes == 15 and budget.by_address == {"127.0.0.3": 15}
+    c = budget.reservation("127.0.0.4")
+    c.take(15)  # exactly the worker's bound again
     with pytest.raises(UploadRefused) as refused:
-        b.take(1)
+        c.take(1)  # past its fair share while the budget is full: the worker is full, for it
     assert not refused.value.per_address
     a.release()
-    a.release()  # idempotent
-    assert budget.bytes == 14 and budget.by_address == {"127.0.0.3": 14}
+    a.release()  # idempotent (a preempted upload's bytes were given back already)
+    c.release()
+    assert budget.bytes == 15 and budget.by_address == {"127.0.0.3": 15}
     b.release()
     assert budget.bytes == 0 and budget.by_address == {}
 

@@ -131,7 +131,8 @@ def test_client_limits_are_not_rendered_unless_set() -> None:
     assert not set(LIMIT_ENV) & set(env)
     config = load_config([], {**env, "NOCTAYA_SCALER_MODE": "off"})
     assert config.client_request_timeout_seconds == GatewayConfig.client_request_timeout_seconds == 60
-    assert config.connections_per_address == config.max_connections // 2 == 2048
+    assert config.connections_per_address == 64 and config.max_connections == 4096
+    assert config.client_first_byte_timeout_seconds == 10.0
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
@@ -248,17 +249,19 @@ def test_the_gateway_enforces_the_rendered_client_limits() -> None:
     port = gateway.ports["http"]
     held: list[socket.socket] = []
     try:
-        # Two connections from 127.0.0.1 are the rendered cap (the pool holds 8): a third is refused.
+        # Two connections from 127.0.0.1 are the rendered cap (the pool holds 8), each with a request
+        # in progress (an idle one would be closed to make room): a third is refused.
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        started = time.monotonic()
+        for sock in held:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
         with socket.create_connection(("127.0.0.1", port), timeout=5) as third:
             status, code, head = _answer(third, 5)
         assert (status, code) == (429, "too_many_connections") and b"Connection: close" in head
         # A head that is still not whole after the rendered second (not the default 60) gets 408 (the
         # body is judged by its rate instead, gateway.server.UploadPace).
         slow = held[0]
-        started = time.monotonic()
-        slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n")
+        slow.sendall(b"Host: g\r\nContent-Type: application/json\r\nContent-Length: 100\r\n")
         status, code, head = _answer(slow, 10)
         assert (status, code) == (408, "request_timeout") and b"Connection: close" in head
         assert 0.9 <= time.monotonic() - started < 5
@@ -268,13 +271,22 @@ def test_the_gateway_enforces_the_rendered_client_limits() -> None:
         gateway.close()
 
 
-def test_the_rendered_probes_answer_while_idle_clients_hold_every_public_connection(gateway: Gateway) -> None:
+def test_the_rendered_probes_answer_while_requests_in_progress_hold_every_public_connection(
+        gateway: Gateway) -> None:
     container = _container(_children(), "qwen-gateway")
     timeout = container["readinessProbe"]["timeoutSeconds"]
-    idle = [socket.create_connection(("127.0.0.1", gateway.ports["http"]), timeout=5) for _ in range(8)]
+    idle = []
+    for i in range(8):  # from 8 addresses (the default cap of a pool of 8 is 1), each with a head begun
+        sock = socket.socket()
+        sock.bind((f"127.0.0.{2 + i}", 0))
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", gateway.ports["http"]))
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        idle.append(sock)
     try:
         # The premise of issue #19: with the public pool full, /healthz there fails as a probe (no
-        # answer in time, or a refusal: the kubelet takes only 200-399).
+        # answer in time, or a refusal: the kubelet takes only 200-399). Idle connections no longer
+        # fill it (a full pool evicts its oldest idle one): requests in progress do.
         public = _get(gateway.ports["http"], "/healthz", timeout)
         assert public is None or not 200 <= public < 400, public
         for name in PROBES:
