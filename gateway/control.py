@@ -81,6 +81,10 @@ class Pending:
         return self._box["value"]
 
 
+def _gone() -> None:
+    """What a call to an ended control thread returns: nothing (its servers ended with it)."""
+
+
 class ControlThread:
     """An OS thread running a gevent hub of its own until :meth:`stop`."""
 
@@ -118,8 +122,13 @@ class ControlThread:
         pending = Pending()
         if threading.get_ident() == self._thread.ident:
             gevent.spawn(pending.run, fn, *args)
-        else:
-            self.hub.loop.run_callback_threadsafe(gevent.spawn, pending.run, fn, *args)
+            return pending
+        loop = getattr(self.hub, "loop", None)
+        if loop is None or not self._thread.is_alive():
+            # The thread has ended (stopped, or its hub destroyed): what it served ended with it.
+            pending.run(_gone)
+            return pending
+        loop.run_callback_threadsafe(gevent.spawn, pending.run, fn, *args)
         return pending
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = 30.0) -> Any:
