@@ -429,11 +429,13 @@ def stream_load(port: int, streams: int, seconds: float) -> dict:
             "ttfb_p99": pct(ttfb, 99)}
 
 
-def held_connections(count: int) -> dict:
+def held_connections(count: int, root: Path = ROOT) -> dict:
+    """``count`` held cold SSE streams on the gateway of ``root`` (another commit's tree for an A/B:
+    bench.release_ab); its worker's RSS before and after, KiB per connection."""
     dead_port = free_port()  # nothing listens: the backend is scaled to zero
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 2 * count + 1000)), hard))
-    gw = Gateway(f"http://127.0.0.1:{dead_port}", NOCTAYA_MAX_QUEUE=str(count + 10),
+    gw = Gateway(f"http://127.0.0.1:{dead_port}", root=root, NOCTAYA_MAX_QUEUE=str(count + 10),
                  NOCTAYA_MAX_CONNECTIONS=str(count + 100), NOCTAYA_MAX_CONNECTIONS_PER_ADDRESS="0",  # one client address
                  NOCTAYA_ACTIVATION_TIMEOUT_SECONDS="120", NOCTAYA_HEARTBEAT_SECONDS="10")
     socks: list[socket.socket] = []
