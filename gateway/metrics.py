@@ -171,15 +171,17 @@ class GatewayMetrics:
 
 
 class RenderedOnce:
-    """``/metrics`` rendered at most once per ``ttl`` when a render is costly (over ``costly`` seconds
-    of this thread's CPU: a shared gateway of many models), and once for every scrape that arrives
-    while it renders. A cheap render (one model's gateway, ~1 ms) is always fresh."""
+    """``/metrics`` rendered at most once per ``ttl`` while ``worth_caching()`` says a render is costly
+    (a shared gateway of many models: ~2 ms of CPU a model), and once for every scrape that arrives
+    while it renders. Otherwise (one model's gateway, a few models: a few ms) always fresh. Decided by
+    what is rendered, not by a render's measured time, so the same gateway answers alike on a quiet and
+    on a loaded machine."""
 
-    def __init__(self, render: Callable[[], bytes], *, ttl: float = 1.0, costly: float = 0.02,
+    def __init__(self, render: Callable[[], bytes], *, worth_caching: Callable[[], bool], ttl: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._render = render
+        self._worth_caching = worth_caching
         self.ttl = ttl
-        self.costly = costly
         self._clock = clock
         self._body: bytes | None = None
         self._at = 0.0
@@ -194,7 +196,6 @@ class RenderedOnce:
         from gevent.event import AsyncResult
 
         pending = self._pending = AsyncResult()
-        started = time.thread_time()
         try:
             body = self._render()
         except BaseException as exc:
@@ -203,10 +204,7 @@ class RenderedOnce:
         finally:
             self._pending = None
         self.renders += 1
-        # The first render also imports the exposition code (tens of ms, once): only later renders
-        # tell what a scrape costs, so the first is never kept (a one-model gateway stays fresh).
-        costly = self.renders > 1 and time.thread_time() - started >= self.costly
-        self._body, self._at = (body, self._clock()) if costly else (None, 0.0)
+        self._body, self._at = (body, self._clock()) if self._worth_caching() else (None, 0.0)
         pending.set(body)
         return body
 

@@ -76,6 +76,9 @@ def _model_object(name: str) -> dict:
 
 
 _SAMPLES_PER_SLICE = 512  # formatted between two looks at the CPU time (~1 ms)
+# From this many models on, /metrics is rendered at most once a second (gateway.metrics.RenderedOnce):
+# ~2 ms of CPU a model, so 16 models are ~30 ms a scrape, and 256 half a second.
+CACHED_METRICS_FROM_MODELS = 16
 
 
 class _Families:
@@ -122,7 +125,7 @@ class SharedGatewayApp(AnswersHere):
         # Apps of models removed or changed by a new table: they finish what they admitted, then close.
         self._retiring: list[GatewayApp] = []
         self._tasks: dict[int, list[gevent.Greenlet]] = {}  # id(app) -> its background greenlets
-        self._rendered = RenderedOnce(self.render_metrics)
+        self._rendered = RenderedOnce(self.render_metrics, worth_caching=lambda: len(self.apps) >= CACHED_METRICS_FROM_MODELS)
         self._serving = False
 
     def _new_app(self, model: GatewayConfig) -> GatewayApp:
