@@ -91,6 +91,7 @@ class ReadWaiter:
     def close(self) -> None:
         self._io.stop()
         self._io.close()
+        self.on_idle = None  # its owner's bound method: no cycle left behind (see ClientParser.close)
 
 
 def recv_waiting(sock: gevent.socket.socket, reader: ReadWaiter) -> bytes:
@@ -193,6 +194,7 @@ class UpstreamConnection:
     def close(self) -> None:
         self.broken = True
         self.reader.close()
+        self.parser.close()
         self.sock.close()
 
 

@@ -502,6 +502,9 @@ class ClientConnection:
         self._busy()
         self.disarm_watch()
         self.reader.close()
+        self.parser.close()
+        self.wake = None
+        self.upstream = None
         self.sock.close()
 
 

@@ -167,7 +167,7 @@ class ClientParser:
         self._head: RequestHead | None = None
         self._head_bytes = 0
         self.in_head = False
-        self._error: BadRequest | None = None
+        self._error: tuple[int, str] | None = None  # (status, code) refused in a callback, raised by feed
         self._header_bytes = 0
         self._pending: list[bytes] = []  # this read's body pieces, one event at its end (see on_body)
         self._pieces = 0  # body pieces parsed so far (tells a read that brought body from one that did not)
@@ -186,7 +186,7 @@ class ClientParser:
             # Upgrade/CONNECT are not proxied: the OpenAI API is plain request/response.
             raise BadRequest(400, "bad_request") from None
         except httptools.HttpParserCallbackError:
-            raise (self._error or BadRequest(400, "bad_request")) from None
+            raise BadRequest(*(self._error or (400, "bad_request"))) from None
         except httptools.HttpParserError:
             raise BadRequest(400, "bad_request") from None
         finally:
@@ -202,10 +202,23 @@ class ClientParser:
             if self.quiet > MAX_BODY_FRAMING_BYTES:
                 raise BadRequest(431, "headers_too_large")
 
+    def close(self) -> None:
+        """The connection is closed: drop llhttp's parser, which holds this object (its callbacks),
+        and what was parsed. Without it every connection was a reference cycle, freed only by the
+        cyclic GC (rare in a worker: gateway.workers.GC_THRESHOLD), each keeping its last head's
+        bytes until then (tests/gateway/test_connection_cycles.py)."""
+        self._parser = None
+        self._head = None
+        self.events.clear()
+        self._pending = []
+
     # -- llhttp callbacks ---------------------------------------------------------------------
     def _fail(self, status: int, code: str) -> None:
-        self._error = BadRequest(status, code)
-        raise self._error
+        # Kept as values, and raised anew by feed: an exception object kept on the parser would hold
+        # its own traceback, whose frames hold the parser: a cycle per refused request, freed only by
+        # the cyclic GC (rare here, gateway.workers.GC_THRESHOLD), so every 431 kept its head's bytes.
+        self._error = (status, code)
+        raise BadRequest(status, code)
 
     def on_message_begin(self) -> None:
         self.started = self._clock()
@@ -335,7 +348,7 @@ class UpstreamParser:
         self._raw = b""  # bytes received while the head is incomplete
         self._scan = 0  # where the next head starts in _raw (after skipped 1xx heads)
         self._interim = 0  # 1xx heads skipped before this response's final head
-        self._error: UpstreamProtocolError | None = None  # raised in a callback, re-raised by feed
+        self._error: str | None = None  # the reason refused in a callback, raised anew by feed
 
     @property
     def held(self) -> int:
@@ -350,7 +363,7 @@ class UpstreamParser:
         except httptools.HttpParserCallbackError as exc:
             if isinstance(exc.__context__, _AfterTheEnd):
                 return  # the response is whole; what followed it is dropped
-            raise (self._error or UpstreamProtocolError("malformed")) from None
+            raise UpstreamProtocolError(self._error or "malformed") from None
         except httptools.HttpParserUpgrade:
             raise UpstreamProtocolError("switching_protocols") from None
         except httptools.HttpParserInvalidStatusError:
@@ -368,9 +381,10 @@ class UpstreamParser:
             raise UpstreamProtocolError("head_too_large")
 
     def _fail(self, reason: str) -> None:
-        """Refuse the response from inside an llhttp callback (feed re-raises the same error)."""
-        self._error = UpstreamProtocolError(reason)
-        raise self._error
+        """Refuse the response from inside an llhttp callback (feed raises it anew: a kept exception
+        would hold the parser through its traceback, see ClientParser._fail)."""
+        self._error = reason
+        raise UpstreamProtocolError(reason)
 
     def _take_head_lines(self) -> list[bytes]:
         # llhttp has accepted the head, so it ends with CRLF CRLF (it refuses bare LF line ends and
@@ -473,6 +487,14 @@ class UpstreamParser:
         self._scan = 0
         self._interim = 0
         self._error = None
+
+    def close(self) -> None:
+        """Its connection is closed: drop llhttp's parser (it holds this object: a reference cycle
+        otherwise, see ClientParser.close) and what was parsed."""
+        self._parser = None
+        self.head = None
+        self.body = []
+        self._raw = b""
 
     def take_body(self) -> list[bytes]:
         body, self.body = self.body, []
