@@ -16,7 +16,6 @@ import time
 
 # bench.idle_footprint reports without failing: its goals belong to issue #22, still open (run it with --check).
 # bench.idle_members reports too (--check to fail): a CPU figure of a few hundred µs/s moves with the host.
-# bench.attacks reports too (--check to fail): issue 38's fixes land in several branches; make it fail once merged.
 BENCHES = ("bench.hooks_bench", "bench.scaler_bench", "bench.gateway_bench", "bench.idle_footprint",
            "bench.idle_members", "bench.replicas", "bench.attacks")
 QUICK = {"bench.gateway_bench", "bench.idle_footprint", "bench.idle_members", "bench.replicas", "bench.attacks"}
