@@ -32,6 +32,7 @@ import grpc
 from scaler import externalscaler_pb2_grpc as pb_grpc
 from tests.gateway.abuse_harness import (
     ROOT,
+    Flood,
     GatewayPod,
     MiB,
     Reader,
@@ -202,35 +203,6 @@ class KeyedUser:
         self.sock = self.reader = None
 
 
-class Flood:
-    """CLIENTS attackers, each from its own address, sending ``raw`` again and again at line rate."""
-
-    def __init__(self, port: int, raw: bytes, first_source: int) -> None:
-        self.answers: list[int] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(port, raw, f"127.0.2.{first_source + i}"),
-                                          daemon=True) for i in range(CLIENTS)]
-
-    def _run(self, port: int, raw: bytes, source: str) -> None:
-        while not self._stop.is_set():
-            try:
-                response = exchange(port, raw, source=source, timeout=60)
-            except OSError:
-                response = None  # refused and reset before the answer could be read
-            self.answers.append(response.status if response is not None else 0)
-
-    def __enter__(self) -> Flood:
-        for t in self._threads:
-            t.start()
-        wait_until(lambda: len(self.answers) >= CLIENTS, 30, "the first hostile bodies answered")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-
-
 class AdminTimer:
     """Times the kubelet's probe and KEDA's IsActive, one after the other every 50 ms, until stopped."""
 
@@ -308,7 +280,9 @@ def a_keyed_users_warm_p99_holds_under_a_hostile_json_flood(kind: str, tmp_path:
                  f"{len(quiet)}); bar {ms(bar)}"]
         results = {}
         for i, (attacker, raw) in enumerate(floods.items()):
-            with Flood(pod.port, raw, 1 + i * CLIENTS) as flood, AdminTimer(pod, stub) as admin:
+            with Flood(pod.port, raw, 1 + i * CLIENTS, clients=CLIENTS, bodies=None, timeout=60) as flood, \
+                    AdminTimer(pod, stub) as admin:
+                wait_until(lambda: len(flood.answers) >= CLIENTS, 30, "the first hostile bodies answered")
                 loud = user.timed()
             assert set(flood.answers) <= FLOODS[kind][attacker], (attacker, sorted(set(flood.answers)))
             results[attacker] = loud, admin

@@ -35,7 +35,15 @@ from gevent._hub_local import get_hub_if_exists
 from gevent.server import StreamServer
 from greenlet import getcurrent
 
-from gateway.server import ADMIN_MAX_CONNECTIONS, AddressCounts, ClientConnection, ConnectionWatch, peer_of, refuse
+from gateway.server import (
+    ADMIN_MAX_CONNECTIONS,
+    AddressCounts,
+    ClientConnection,
+    ConnectionWatch,
+    no_delay,
+    peer_of,
+    refuse,
+)
 
 if TYPE_CHECKING:
     from gateway.server import ServedApp, UploadPace
@@ -176,10 +184,7 @@ class AdminServer:
             refuse(self.app, sock)
             return
         try:
-            try:
-                sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+            no_delay(sock)
             # The short idle time bounds the wait for a head to start (from the accept and between
             # requests) and request_timeout the head itself: a probe or a scrape sends its request at once.
             conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, True, self.idle_timeout, self.pace)

@@ -604,6 +604,14 @@ def peer_of(address: Any) -> str:
     return address[0] if isinstance(address, tuple) else ""
 
 
+def no_delay(sock: gevent.socket.socket) -> None:
+    """Answers go out as written (no Nagle wait for a small last piece)."""
+    try:
+        sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
+    except OSError:
+        pass
+
+
 def refuse(app: ServedApp, sock: gevent.socket.socket) -> None:
     """429 and close, without reading: a fresh socket's send buffer takes the answer at once."""
     app.connection_refused()
@@ -800,10 +808,7 @@ class GatewayServer:
             refuse(self.app, sock)
             return
         try:
-            try:
-                sock.setsockopt(std_socket.IPPROTO_TCP, std_socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
+            no_delay(sock)
             conn = ClientConnection(sock, peer, self.idle_timeout, self.clock, False, self.request_timeout, self.pace,
                                     self.first_byte_timeout, self.idle)
             self.watch.serve(self.app, conn)

@@ -625,3 +625,43 @@ def no_demand(pod: GatewayPod) -> dict:
     assert q["lease"]["active"] is False and q["lease"]["state"] == "idle", q
     assert q["demand"] == {"total": 0, "active": False}, q
     return q
+
+
+class Flood:
+    """``clients`` attackers, each from its own address (127.0.2.``first_source``...), sending ``raw``
+    back to back at line rate: ``bodies`` times each (a count, for tests), or until the ``with``
+    block ends (``bodies`` None, for benchmarks). ``answers``: each exchange's status (0: cut)."""
+
+    def __init__(self, port: int, raw: bytes, first_source: int, *, clients: int = 4, bodies: int | None = 2,
+                 timeout: float = 120.0) -> None:
+        self.answers: list[int] = []
+        self.bodies = bodies
+        self.timeout = timeout
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(port, raw, f"127.0.2.{first_source + i}"),
+                                          daemon=True) for i in range(clients)]
+
+    def _run(self, port: int, raw: bytes, source: str) -> None:
+        sent = 0
+        while not self._stop.is_set() and (self.bodies is None or sent < self.bodies):
+            sent += 1
+            try:
+                response = exchange(port, raw, source=source, timeout=self.timeout)
+            except OSError:
+                response = None  # refused and reset before the answer could be read
+            self.answers.append(response.status if response is not None else 0)
+
+    def __enter__(self) -> Flood:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bodies is None:
+            self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout)
+
+    @property
+    def over(self) -> bool:
+        return not any(t.is_alive() for t in self._threads)

@@ -34,7 +34,7 @@ from gateway.config import GatewayConfig
 from gateway.modeltable import parse_model_table
 from gateway.routes import yield_to_loop
 from gateway.shared import SharedGatewayApp
-from tests.gateway.abuse_harness import MiB, Reader, connect, exchange, get, request_bytes
+from tests.gateway.abuse_harness import Flood, MiB, Reader, connect, get, request_bytes
 from tests.gateway.fakebackend import FakeBackend
 from tests.gateway.harness import ThreadedGateway
 from tests.gateway.loopwatch import LoopWatch
@@ -75,37 +75,6 @@ class _Skipped(msgspec.Struct):
     """No fields: msgspec checks the grammar and skips every value (gateway.jsonscan keeps two)."""
 
 
-class Flood:
-    """CLIENTS attackers, each from its own address, sending ``raw`` BODIES_PER_CLIENT times back to
-    back at line rate: a count of bodies, not a duration."""
-
-    def __init__(self, port: int, raw: bytes, first_source: int) -> None:
-        self.answers: list[int] = []
-        self._threads = [threading.Thread(target=self._run, args=(port, raw, f"127.0.2.{first_source + i}"),
-                                          daemon=True) for i in range(CLIENTS)]
-
-    def _run(self, port: int, raw: bytes, source: str) -> None:
-        for _ in range(BODIES_PER_CLIENT):
-            try:
-                response = exchange(port, raw, source=source, timeout=120)
-            except OSError:
-                response = None  # refused and reset before the answer could be read
-            self.answers.append(response.status if response is not None else 0)
-
-    def __enter__(self) -> Flood:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for t in self._threads:
-            t.join(120)
-
-    @property
-    def over(self) -> bool:
-        return not any(t.is_alive() for t in self._threads)
-
-
 class Prober:
     """The kubelet's probe on the admin port, again and again until the flood is over: each must be
     answered (200); how many were is counted."""
@@ -144,7 +113,7 @@ def test_hostile_json_floods_to_a_cold_model_keep_the_loop_sliced(backend: FakeB
     limit = bound(hostile_body())
     watch = watched(gw)
     try:
-        with Prober(gw.server.admin_port) as prober, Flood(gw.port, raw, 1) as flood:
+        with Prober(gw.server.admin_port) as prober, Flood(gw.port, raw, 1, clients=CLIENTS, bodies=BODIES_PER_CLIENT) as flood:
             pass
     finally:
         gw.call(watch.uninstall)
@@ -221,7 +190,7 @@ def test_a_keyed_users_warm_requests_are_served_between_slices_of_a_hostile_floo
             watch = watched(gw)
             served: list[int] = []
             try:
-                with Prober(gw.server.admin_port) as prober, Flood(gw.port, raw, 1 + i * CLIENTS) as flood:
+                with Prober(gw.server.admin_port) as prober, Flood(gw.port, raw, 1 + i * CLIENTS, clients=CLIENTS, bodies=BODIES_PER_CLIENT) as flood:
                     # Until the flood is over (and at least USER_REQUESTS): every request meets it.
                     while len(served) < USER_REQUESTS or not flood.over:
                         user.sendall(ask)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cgroup import HELD_BODY_SHARE
+from tests.gateway.attack_rig import PeakRSS
 from tests.gateway.conftest import wait_for
 from tests.gateway.fakebackend import FakeBackend
 from tests.gateway.test_scale import Gateway, children, request_bytes, rss_kib
@@ -60,33 +61,15 @@ def body_json(reply: bytes) -> dict:
     return json.loads(reply[reply.index(b"\r\n\r\n") + 4:])
 
 
-class PeakRSS:
-    """The gateway's whole process tree, sampled every 20 ms."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            total = 0
-            for pid in [self.pid, *children(self.pid)]:
-                try:
-                    total += rss_kib(pid) * 1024
-                except (OSError, RuntimeError):
-                    pass
-            self.peak = max(self.peak, total)
-            self._stop.wait(0.02)
-
-    def __enter__(self) -> PeakRSS:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
+def tree_rss(pid: int) -> int:
+    """Bytes of RSS of ``pid`` and its children (one that ends while read counts nothing)."""
+    total = 0
+    for one in [pid, *children(pid)]:
+        try:
+            total += rss_kib(one) * 1024
+        except (OSError, RuntimeError):
+            pass
+    return total
 
 
 def test_a_flood_of_large_cold_bodies_stays_under_the_memory_limit(tmp_path: Path) -> None:
@@ -103,7 +86,7 @@ def test_a_flood_of_large_cold_bodies_stays_under_the_memory_limit(tmp_path: Pat
     try:
         assert gw.queue()["heldBytesLimit"] == BUDGET  # derived from memory.max, not configured
         results: list[tuple[int, bytes]] = []
-        with PeakRSS(gw.proc.pid) as rss:
+        with PeakRSS(lambda: tree_rss(gw.proc.pid), interval=0.02) as rss:
             threads = [threading.Thread(target=exchange, args=(gw.port, cold_request(BODY_BYTES), results), daemon=True)
                        for _ in range(FLOOD)]
             for t in threads:
