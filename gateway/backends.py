@@ -232,11 +232,19 @@ class Backends:
         the next Pod)."""
         # Counted before connecting: a connect yields to the loop, and the requests released with
         # this one must see it (the cold batch, the load bound) while it connects.
-        self._sent(pod)
+        pod.outstanding += 1  # (inline: once per request)
+        pod.served += 1
+        cell = pod.cell
+        if cell == -1:
+            cell = pod.cell = self._counter(pod)
+        if cell >= 0:
+            cells = self._cells
+            cells[cell] += 1
+            cells[cell + 1] += 1
         try:
             conn = pod.pool.acquire()
         except BaseException as exc:
-            self._unsent(pod)
+            self.finish(pod)
             if not isinstance(exc, ConnectFailed):
                 raise
             pods.connection_failed(pod)
@@ -247,17 +255,6 @@ class Backends:
         conn.pod = pod
         return conn
 
-    def _sent(self, pod: BackendPod[UpstreamPool]) -> None:
-        pod.outstanding += 1
-        pod.served += 1
-        cell = pod.cell
-        if cell == -1:
-            cell = pod.cell = self._counter(pod)
-        if cell >= 0:
-            cells = self._cells
-            cells[cell] += 1
-            cells[cell + 1] += 1
-
     def _counter(self, pod: BackendPod[UpstreamPool]) -> int:
         """The index of ``pod``'s counters in the worker's /metrics table (assigned on first use)."""
         table = self.metrics.backend_pods
@@ -267,10 +264,8 @@ class Backends:
     def finish(self, pod: BackendPod[UpstreamPool] | None) -> None:
         """A request counted on ``pod`` (``acquire``'s connection's ``pod``) ended: answered, failed or
         abandoned. The caller calls it once per request (a connection may already serve another)."""
-        if pod is not None:
-            self._unsent(pod)
-
-    def _unsent(self, pod: BackendPod[UpstreamPool]) -> None:
+        if pod is None:
+            return
         pod.outstanding -= 1
         if pod.cell >= 0:
             self._cells[pod.cell] -= 1

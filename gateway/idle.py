@@ -29,29 +29,36 @@ class IdleConnections:
     key is the oldest; both orders, all and per address, cost O(1) to keep."""
 
     def __init__(self) -> None:
-        self._all: dict[Evictable, None] = {}
-        self._by_peer: dict[str, dict[Evictable, None]] = {}
+        self._all: dict[Evictable, bool] = {}
+        self._by_peer: dict[str, dict[Evictable, bool]] = {}
         self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._all)
 
     def add(self, conn: Evictable) -> None:
-        self._all[conn] = None
-        self._by_peer.setdefault(conn.peer, {})[conn] = None
+        # Once per request on every keep-alive connection: kept to a few dict operations. An
+        # address's dict stays while the address has connections (forget() drops it with the last).
+        self._all[conn] = True
+        mine = self._by_peer.get(conn.peer)
+        if mine is None:
+            mine = self._by_peer[conn.peer] = {}
+        mine[conn] = True
 
     def discard(self, conn: Evictable) -> None:
-        if conn not in self._all:
-            return
-        del self._all[conn]
-        mine = self._by_peer[conn.peer]
-        del mine[conn]
-        if not mine:
-            del self._by_peer[conn.peer]
+        if self._all.pop(conn, False):
+            del self._by_peer[conn.peer][conn]
+
+    def forget(self, peer: str) -> None:
+        """``peer`` has no connection left (its dict is empty): drop it, so the map is bounded by the
+        addresses connected now."""
+        mine = self._by_peer.get(peer)
+        if mine is not None and not mine:
+            del self._by_peer[peer]
 
     def evict_oldest(self, peer: str | None = None) -> bool:
         """Close the oldest idle connection (of ``peer``, if given). False: none is idle."""
-        order = self._all if peer is None else self._by_peer.get(peer, {})
+        order = self._all if peer is None else self._by_peer.get(peer) or {}
         while order:
             conn = next(iter(order))
             self.discard(conn)  # in use after all or closed now: either way not idle any more

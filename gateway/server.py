@@ -206,8 +206,9 @@ class ClientConnection:
                 data = b""
             finally:
                 self.deadline = INF
-            if self.idle:
-                self._busy()
+            if self.idle:  # inlined _busy(): once per request
+                self.idle = False
+                self.idle_set.discard(self)  # type: ignore[union-attr]  # idle only with a set
             if self.timed_out:
                 raise RequestTimedOut(slow=self.body_cap != INF)
             if self.preempted:
@@ -735,6 +736,7 @@ class PublicAdmission:
             self.per_address[peer] = left
         else:
             self.per_address.pop(peer, None)
+            self.idle.forget(peer)
 
 
 class GatewayServer:

@@ -190,7 +190,8 @@ class ClientParser:
         except httptools.HttpParserError:
             raise BadRequest(400, "bad_request") from None
         finally:
-            self._flush()
+            if self._pending:
+                self._flush()
         if self.in_head and self._head_bytes > _MAX_RAW_HEAD:
             raise BadRequest(431, "headers_too_large")
         if in_body and self.in_message and not self.in_head:
@@ -294,7 +295,8 @@ class ClientParser:
             pending.clear()
 
     def on_message_complete(self) -> None:
-        self._flush()
+        if self._pending:
+            self._flush()
         self.events.append(("end", None))
         self._head = None
         self.in_message = False
