@@ -161,3 +161,30 @@ def test_a_multipart_body_of_64_parts_is_looked_up_in_slices_of_cpu_time(shared_
     answer, watch = _watched(shared_one, _post(len(body), b"multipart/form-data; boundary=" + boundary), body)
     assert answer.startswith(b"HTTP/1.1 404 "), answer[:300]
     assert watch.longest <= STRETCH, (watch.longest, watch.where)
+
+
+def test_the_oracle_leaves_a_cyclic_collection_out_of_the_stretch() -> None:
+    """A full collection in the loop's thread scans the whole test process (0.26 s once, in make test,
+    failing a flood test that yields every 2 ms): the interpreter's pause, not the code's stretch. The
+    oracle keeps it apart."""
+    import gevent
+
+    watch = LoopWatch()
+
+    def loop() -> None:
+        watch.install()
+        junk = [[] for _ in range(200_000)]
+        for item in junk:
+            item.append(item)  # cycles: only the collector frees them
+        del junk
+        gevent.sleep(0)
+        watch.reset()
+        gc.collect()
+        gevent.sleep(0)
+        watch.uninstall()
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    thread.join(60)
+    assert watch.gc_longest > 0.005, watch.gc_longest
+    assert watch.longest < watch.gc_longest / 2, (watch.longest, watch.gc_longest)
