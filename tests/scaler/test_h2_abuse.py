@@ -203,9 +203,12 @@ def test_rapid_reset_gets_goaway_enhance_your_calm_after_the_allowance(variant: 
     frames = attack(scaler.port, rapid_resets(FLOOD // 2, variant))
     assert goaway_code(frames) == ErrorCodes.ENHANCE_YOUR_CALM, Counter(kind for kind, *_ in frames)
     last_stream = next(int.from_bytes(p[:4], "big") & 0x7FFFFFFF for k, _, _, p in frames if k == GOAWAY)
-    assert last_stream <= 2 * (h2limits.RESET_BURST + 1) + 1, last_stream  # streams h2 ever saw
+    seen = (last_stream + 1) // 2  # streams h2 ever saw (client streams are odd)
+    # A stream the server answered before its reset arrived cost a whole request and is not counted
+    # (KEDA resets answered streams): how many are answered first depends on the machine's load, so
+    # the allowance bounds the streams reset unanswered.
     answered = sum(1 for kind, *_ in frames if kind == HEADERS)
-    assert answered <= h2limits.RESET_BURST + 1, answered
+    assert seen - answered <= h2limits.RESET_BURST + 1, (seen, answered)
     assert wait_until(lambda: scaler.servicer.open_streams == 0, timeout=10)
     assert is_active(scaler.port) is True
 
