@@ -93,8 +93,9 @@ def test_each_phase_of_a_staged_cold_start_is_observed_once_with_its_interval(
         # Warm now: its time to first token is the backend's first-byte delay, and no phase moves.
         backend.first_byte_delay = 0.2
         client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}])
-        after = scrape(gw)
-        assert after["noctaya_gateway_time_to_first_token_seconds_count[warm]"] == 1
+        # /metrics is served from the control thread: the observation may land a moment after the answer.
+        after = wait_for(lambda: (a := scrape(gw)).get("noctaya_gateway_time_to_first_token_seconds_count[warm]") == 1
+                         and a, 10, 0.02, "the warm observation")
         assert 0.2 <= after["noctaya_gateway_time_to_first_token_seconds_sum[warm]"] <= 0.2 + SLACK
         for phase in ("admission_to_push", "push_to_ready", "ready_to_first_byte"):
             assert after[f"noctaya_gateway_activation_phase_seconds_count[{phase}]"] == 1
